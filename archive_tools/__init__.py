@@ -1,0 +1,1 @@
+"""The `inf2serve` command line: demo models, packaging, serving, cache tools."""

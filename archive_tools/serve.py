@@ -1,0 +1,272 @@
+"""`inf2serve serve` / `inf2serve stop`: run a stock TorchServe with secure defaults.
+
+Secure defaults: bind to 127.0.0.1, token auth on, model management API off
+(models are loaded at start-up with --models), startup timeout sized for Neuron
+compilation. Each server lives in a run directory holding its config.properties,
+key_file.json (TorchServe writes it to its working directory), logs and pid file
+(TorchServe keeps the pid under $TMPDIR, so each run directory gets its own).
+The same functions start the server for `make demo` and for the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from handlers.errors import Inf2ServeError
+
+DEFAULT_RUN_DIR = Path(".serve")
+
+
+@dataclass(frozen=True)
+class Server:
+    run_dir: Path
+    inference_url: str
+    management_url: str
+    metrics_url: str
+    inference_token: str
+    management_token: str
+    pid: int
+
+    def curl_example(self, model: str, prompt: str = "Once upon a time") -> str:
+        body = json.dumps({"prompt": prompt, "max_new_tokens": 32})
+        return (f"curl -N -H 'Authorization: Bearer {self.inference_token}' "
+                f"-H 'Content-Type: application/json' "
+                f"{self.inference_url}/predictions/{model} -d '{body}'")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, int, int],
+                            workers: int = 1, extra: dict[str, str] | None = None) -> Path:
+    inf, mgmt, metrics = ports
+    props = {
+        "inference_address": f"http://127.0.0.1:{inf}",
+        "management_address": f"http://127.0.0.1:{mgmt}",
+        "metrics_address": f"http://127.0.0.1:{metrics}",
+        "model_store": str(model_store.resolve()),
+        "enable_model_api": "false",
+        "disable_token_authorization": "false",
+        "install_py_dep_per_model": "false",
+        "default_workers_per_model": str(workers),
+        "default_response_timeout": "600",
+        "metrics_mode": "prometheus",
+        "enable_envvars_config": "false",
+    }
+    props.update(extra or {})
+    path = run_dir / "config.properties"
+    path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+    return path
+
+
+def _server_env(run_dir: Path, env: dict[str, str] | None) -> dict[str, str]:
+    out = dict(os.environ)
+    out.update(env or {})
+    tmp = run_dir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    out["TMPDIR"] = str(tmp)  # TorchServe's pid file lives in $TMPDIR
+    out["LOG_LOCATION"] = str(run_dir / "logs")
+    out["METRICS_LOCATION"] = str(run_dir / "logs")
+    return out
+
+
+def _torchserve_bin(python: str | None) -> str:
+    if python:
+        return str(Path(python).parent / "torchserve")
+    found = Path(sys.executable).parent / "torchserve"
+    return str(found) if found.exists() else (shutil.which("torchserve") or "torchserve")
+
+
+def read_tokens(run_dir: Path, timeout_s: float = 60) -> tuple[str, str]:
+    path = run_dir / "key_file.json"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            keys = json.loads(path.read_text())
+            return keys["inference"]["key"], keys["management"]["key"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            time.sleep(0.2)
+    raise Inf2ServeError(f"{path} did not appear; see {run_dir / 'logs'}")
+
+
+def _pid(run_dir: Path) -> int | None:
+    try:
+        return int((run_dir / "tmp" / ".model_server.pid").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def log_tail(run_dir: Path, lines: int = 60) -> str:
+    out = []
+    for name in ("ts_log.log", "model_log.log"):
+        p = run_dir / "logs" / name
+        if p.exists():
+            tail = p.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {p} ---\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
+def wait_ready(server: Server, models: list[str], timeout_s: float) -> None:
+    """Poll the management API until every model has a READY worker."""
+    headers = {"Authorization": f"Bearer {server.management_token}"}
+    deadline = time.monotonic() + timeout_s
+    pending = list(models)
+    while pending:
+        if not _alive(server.pid):
+            raise Inf2ServeError(f"TorchServe exited during start-up\n{log_tail(server.run_dir)}")
+        if time.monotonic() > deadline:
+            raise Inf2ServeError(f"models {pending} not READY after {timeout_s:.0f}s\n"
+                                 f"{log_tail(server.run_dir)}")
+        name = pending[0]
+        try:
+            r = httpx.get(f"{server.management_url}/models/{name}", headers=headers, timeout=5)
+            workers = r.json()[0].get("workers", []) if r.status_code == 200 else []
+            if any(w.get("status") == "READY" for w in workers):
+                pending.pop(0)
+                continue
+        except (httpx.HTTPError, ValueError, IndexError):
+            pass
+        time.sleep(0.5)
+
+
+def _model_spec(model_store: Path, model: str) -> str:
+    """NAME -> NAME=FILE for the archive of that name in the store (any format)."""
+    if "=" in model:
+        return model
+    for suffix in (".mar", ".tar.gz", ""):
+        if (model_store / f"{model}{suffix}").exists():
+            return f"{model}={model}{suffix}"
+    raise Inf2ServeError(f"--models {model}: no {model}.mar, {model}.tar.gz or {model}/ "
+                         f"in {model_store}")
+
+
+def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR, *,
+          workers: int = 1, env: dict[str, str] | None = None, python: str | None = None,
+          ready_timeout_s: float = 900, extra_props: dict[str, str] | None = None) -> Server:
+    """Start TorchServe in the background and wait until `models` are READY."""
+    model_store = Path(model_store)
+    if not model_store.is_dir():
+        raise Inf2ServeError(f"--model-store {model_store}: no such directory")
+    specs = [_model_spec(model_store, m) for m in models] or [
+        _model_spec(model_store, p.name.split(".")[0]) for p in sorted(model_store.iterdir())
+        if not p.name.startswith(".")]
+    models = [spec.split("=")[0] for spec in specs]
+    if shutil.which("java") is None:
+        raise Inf2ServeError("java not found; TorchServe needs a Java 17 runtime "
+                             "(apt-get install openjdk-17-jre-headless)")
+    run_dir = Path(run_dir).resolve()
+    if _alive(_pid(run_dir)):
+        raise Inf2ServeError(f"a TorchServe is already running from {run_dir}; "
+                             f"stop it with `inf2serve stop --run-dir {run_dir}`")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "key_file.json").unlink(missing_ok=True)
+    ports = (free_port(), free_port(), free_port())
+    cfg = write_config_properties(run_dir, model_store, ports, workers, extra_props)
+    cmd = [_torchserve_bin(python), "--start", "--ncs", "--model-store", str(model_store.resolve()),
+           "--ts-config", str(cfg), "--models", *specs]
+    with open(run_dir / "torchserve.out", "ab") as out:
+        subprocess.run(cmd, cwd=run_dir, env=_server_env(run_dir, env), stdout=out,
+                       stderr=subprocess.STDOUT, check=True, timeout=120)
+    pid = _pid(run_dir)
+    inference_token, management_token = read_tokens(run_dir)
+    server = Server(run_dir, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
+                    f"http://127.0.0.1:{ports[2]}", inference_token, management_token, pid or -1)
+    (run_dir / "server.json").write_text(json.dumps(server.__dict__, default=str))
+    try:
+        wait_ready(server, models, ready_timeout_s)
+    except BaseException:
+        stop(run_dir)
+        raise
+    return server
+
+
+def stop(run_dir: Path = DEFAULT_RUN_DIR, timeout_s: float = 60) -> bool:
+    """Stop the TorchServe of `run_dir` and its workers; True if one was running."""
+    run_dir = Path(run_dir).resolve()
+    pid = _pid(run_dir)
+    if not _alive(pid):
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    _kill_workers(run_dir)
+    (run_dir / "key_file.json").unlink(missing_ok=True)
+    return True
+
+
+def _kill_workers(run_dir: Path) -> None:
+    """Workers are children of the frontend; make sure none outlives it."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    for proc in psutil.process_iter(["pid", "environ"]):
+        try:
+            env = proc.info.get("environ") or {}
+        except (psutil.Error, OSError):
+            continue
+        if env.get("LOG_LOCATION") == str(run_dir / "logs"):
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+
+def _serve(args: argparse.Namespace) -> int:
+    server = start(Path(args.model_store), args.models or [], Path(args.run_dir),
+                   workers=args.workers, ready_timeout_s=args.timeout)
+    model = (args.models or ["MODEL"])[0].split("=")[0]
+    print(f"TorchServe is up: inference {server.inference_url} (token auth on)")
+    print("try it:\n  " + server.curl_example(model))
+    print(f"stop it:\n  inf2serve stop --run-dir {args.run_dir}")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    print("TorchServe stopped" if stop(Path(args.run_dir)) else "no TorchServe running")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="start TorchServe on 127.0.0.1 with token auth and print a curl command",
+        description="Start TorchServe (127.0.0.1, token auth on, model API off) and wait until "
+        "the models are READY.\n\nexamples:\n  inf2serve serve --model-store model_store "
+        "--models tiny-llama", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-store", required=True)
+    p.add_argument("--models", nargs="*", help="NAME or NAME=ARCHIVE (default: all in the store)")
+    p.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help="config, keys and logs")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
+    p.set_defaults(func=_serve)
+    s = sub.add_parser("stop", help="stop a TorchServe started by `inf2serve serve`")
+    s.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR))
+    s.set_defaults(func=_stop)

@@ -1,0 +1,26 @@
+"""Model backends behind one small interface (`base.Backend`).
+
+Backends are imported lazily so that the scheduler, config and CLI import
+without torch or the Neuron SDK.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from handlers.backends.base import Backend
+    from handlers.config import HandlerConfig
+
+
+def load_backend(config: HandlerConfig, model_dir: Path) -> Backend:
+    """Build the configured backend; the checkpoint path is resolved against model_dir."""
+    checkpoint = (model_dir / config.checkpoint).resolve()
+    if config.backend == "neuron":
+        from handlers.backends.neuron_backend import NeuronBackend
+
+        return NeuronBackend(checkpoint, config, model_dir=model_dir)
+    from handlers.backends.torch_backend import TorchBackend
+
+    return TorchBackend(checkpoint, config)

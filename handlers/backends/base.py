@@ -1,0 +1,66 @@
+"""The contract between the scheduler and a model runtime.
+
+A backend owns `batch_size` slots (the compiled batch on Neuron) and runs the
+model on them; it never decides who runs. The engine calls, from one thread:
+
+    prefill(slots, prompts, params) -> first token of each new sequence
+    decode(slots)                   -> next token of every running sequence
+    release(slots)                  -> forget finished sequences
+
+Token ids cross this boundary as plain ints so the scheduler stays free of torch.
+Sampling (greedy, temperature, top-k, top-p, per-request seed, min_new_tokens)
+happens inside the backend, next to the logits.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    min_new_tokens: int = 0  # EOS is suppressed until this many tokens were generated
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Backend(ABC):
+    """Runs a causal LM on a fixed number of slots."""
+
+    #: sequences that can run at once (slot ids are 0..batch_size-1)
+    batch_size: int
+    #: positions per sequence: prompt + generated tokens
+    max_length: int
+    #: token ids that end a sequence
+    eos_token_ids: frozenset[int]
+
+    @abstractmethod
+    def prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+    ) -> list[int]:
+        """Start a sequence in each (free) slot; return each one's first generated token."""
+
+    @abstractmethod
+    def decode(self, slots: Sequence[int]) -> list[int]:
+        """One step for the running sequences in `slots` (all of them); next token of each."""
+
+    @abstractmethod
+    def release(self, slots: Sequence[int]) -> None:
+        """Free the slots of finished or failed sequences."""
+
+    def warmup(self) -> None:  # noqa: B027 - optional hook
+        """Run representative shapes once so the first request does not pay for them."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release devices and locks."""

@@ -1,0 +1,223 @@
+"""Typed model-config.yaml: parsed and validated once, at packaging and at load.
+
+Every default lives here, in the dataclass fields. Unknown keys are rejected with
+the closest valid name; values are checked against their type, choices and range;
+cross-field rules (frontend batch vs backend batch, token limits vs context) run
+after parsing. Nothing else in the toolkit reads the YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from handlers.errors import ConfigError
+
+
+def _opt(default: Any, *, choices: tuple = (), lo: float | None = None, hi: float | None = None,
+         key: str | None = None, doc: str = "") -> Any:
+    """A dataclass field with validation metadata (choices, inclusive range, YAML key)."""
+    meta = {"choices": choices, "lo": lo, "hi": hi, "key": key, "doc": doc}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Per-request defaults, used when a request leaves a field out."""
+
+    max_new_tokens: int = _opt(64, lo=1)
+    temperature: float = _opt(0.0, lo=0.0, doc="0 means greedy")
+    top_k: int = _opt(0, lo=0, doc="0 disables top-k")
+    top_p: float = _opt(1.0, lo=0.0, hi=1.0)
+    stream: bool = _opt(True)
+    stream_format: str = _opt("text", choices=("text", "ndjson"))
+
+
+@dataclass(frozen=True)
+class NeuronSettings:
+    """transformers-neuronx compile settings; only read when backend is neuron."""
+
+    tp_degree: int = _opt(2, lo=1, hi=128)
+    amp: str = _opt("bf16", choices=("bf16", "f16", "f32"))
+    model_class_name: str = _opt("llama.model.LlamaForSampling")
+    context_length_estimate: list = _opt([], doc="prefill buckets; empty = n_positions")
+    compiler_flags: list = _opt(["--model-type=transformer"])
+    gqa: str = _opt("", choices=("", "shard-over-heads", "shard-over-batch", "replicated-heads",
+                                 "all-gather-heads"))
+    cache_dir: str = _opt("neuron_cache", doc="compile cache, relative to the model dir")
+    on_mismatch: str = _opt("error", choices=("error", "recompile"))
+    cores_per_instance: int = _opt(0, lo=0, doc="0 = detect; NeuronCores this host has")
+    core_lock_dir: str = _opt("/tmp/inf2serve-cores")
+    architecture: str = _opt("", doc="known architecture (e.g. llama-2-7b) for `validate` "
+                                     "without a checkpoint")
+
+
+@dataclass(frozen=True)
+class HandlerConfig:
+    """The `handler:` section: what the toolkit itself reads."""
+
+    backend: str = _opt("torch", choices=("torch", "neuron"))
+    checkpoint: str = _opt("model", doc="checkpoint directory, relative to the model dir")
+    batching: str = _opt("continuous", choices=("continuous", "micro"))
+    batch_size: int = _opt(4, lo=1, hi=256, doc="sequences the backend runs at once (slots)")
+    micro_batch_size: int = _opt(0, lo=0, hi=256, doc="micro mode; 0 = batch_size")
+    max_length: int = _opt(2048, lo=2, doc="prompt + generated tokens per sequence")
+    max_new_tokens_limit: int = _opt(512, lo=1)
+    max_queue: int = _opt(64, lo=1, doc="waiting requests before 503")
+    dtype: str = _opt("float32", choices=("float32", "bfloat16", "float16"))
+    device: str = _opt("auto", choices=("auto", "cpu", "cuda"))
+    threads: int = _opt(0, lo=0, doc="torch intra-op threads; 0 = torch default")
+    warmup: bool = _opt(True)
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    neuron: NeuronSettings = field(default_factory=NeuronSettings)
+
+    @property
+    def effective_micro_batch_size(self) -> int:
+        return self.micro_batch_size or self.batch_size
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """TorchServe's own keys (top level of model-config.yaml)."""
+
+    min_workers: int = _opt(1, lo=1, key="minWorkers")
+    max_workers: int = _opt(1, lo=1, key="maxWorkers")
+    batch_size: int = _opt(8, lo=1, key="batchSize")
+    max_batch_delay: int = _opt(20, lo=0, key="maxBatchDelay")
+    response_timeout: int = _opt(300, lo=1, key="responseTimeout")
+    startup_timeout: int = _opt(600, lo=1, key="startupTimeout")
+    async_communication: bool = _opt(True, key="asyncCommunication")
+    continuous_batching: bool = _opt(False, key="continuousBatching")
+    device_type: str = _opt("cpu", choices=("cpu", "gpu", "neuron"), key="deviceType")
+    job_queue_size: int = _opt(0, lo=0, key="jobQueueSize")
+    client_timeout_ms: int = _opt(0, lo=0, key="clientTimeoutInMills")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    frontend: FrontendConfig
+    handler: HandlerConfig
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        """The file TorchServe reads: frontend keys at the top, ours under `handler:`."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(FrontendConfig):
+            out[f.metadata["key"]] = getattr(self.frontend, f.name)
+        out["handler"] = dataclasses.asdict(self.handler)
+        return out
+
+
+def _yaml_key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key") or f.name
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(f: dataclasses.Field, tp: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, path)
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        list: lambda v: isinstance(v, list),
+    }[tp]
+    if not ok(value):
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    meta = f.metadata
+    if meta.get("choices") and value not in meta["choices"]:
+        allowed = ", ".join(repr(c) for c in meta["choices"])
+        raise ConfigError(f"{path}: {value!r} is not allowed; choose one of {allowed}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise ConfigError(f"{path}: {value!r} is out of range; allowed {rng}")
+    return float(value) if tp is float else value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{path}: unknown key{hint} (valid: {', '.join(sorted(fields))})")
+        f = fields[key]
+        tp = hints[f.name]
+        if isinstance(tp, types.UnionType):
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        kwargs[f.name] = _check_value(f, tp, value, path)
+    return cls(**kwargs)
+
+
+def _cross_check(cfg: ModelConfig) -> None:
+    h, fe = cfg.handler, cfg.frontend
+    if h.micro_batch_size > h.batch_size:
+        raise ConfigError(
+            f"handler.micro_batch_size: {h.micro_batch_size} exceeds handler.batch_size "
+            f"{h.batch_size}; a micro-batch runs in the backend's batch, so lower it or raise "
+            "batch_size")
+    if h.max_new_tokens_limit >= h.max_length:
+        raise ConfigError(
+            f"handler.max_new_tokens_limit: {h.max_new_tokens_limit} leaves no room for a prompt "
+            f"in max_length {h.max_length}; set it below max_length")
+    if h.defaults.max_new_tokens > h.max_new_tokens_limit:
+        raise ConfigError(
+            f"handler.defaults.max_new_tokens: {h.defaults.max_new_tokens} exceeds "
+            f"handler.max_new_tokens_limit {h.max_new_tokens_limit}")
+    if not fe.async_communication:
+        raise ConfigError(
+            "asyncCommunication: must be true; the handler streams every request on its own and "
+            "schedules batches itself (micro or continuous, see handler.batching)")
+    if fe.continuous_batching:
+        raise ConfigError(
+            "continuousBatching: must be false; inf2serve does continuous batching inside the "
+            "worker (handler.batching: continuous) on top of asyncCommunication")
+    if fe.batch_size > h.max_queue:
+        raise ConfigError(
+            f"batchSize: {fe.batch_size} exceeds handler.max_queue {h.max_queue}; a frontend batch "
+            "must fit in the handler's queue")
+    if fe.min_workers > fe.max_workers:
+        raise ConfigError(f"minWorkers: {fe.min_workers} exceeds maxWorkers {fe.max_workers}")
+
+
+def parse_config(data: dict[str, Any] | None) -> ModelConfig:
+    """Build a validated ModelConfig from the YAML mapping (TorchServe keys + `handler:`)."""
+    data = dict(data or {})
+    if not isinstance(data, dict):
+        raise ConfigError("model-config.yaml: expected a mapping at the top level")
+    handler = data.pop("handler", {}) or {}
+    if not isinstance(handler, dict):
+        raise ConfigError("handler: expected a mapping")
+    cfg = ModelConfig(frontend=_build(FrontendConfig, data), handler=_build(HandlerConfig, handler,
+                                                                              "handler"))
+    _cross_check(cfg)
+    return cfg
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_config(data)

@@ -1,0 +1,70 @@
+"""Incremental detokenization and stop strings, per sequence.
+
+Decoding token by token breaks multi-byte characters (a byte-level BPE token can
+hold half an emoji) and SentencePiece spacing; decoding everything each step is
+O(n^2). We keep a short window (prefix/read offsets, as TGI does) and hold back
+text that ends in U+FFFD, the mark of an incomplete UTF-8 sequence. The joined
+deltas equal `tokenizer.decode(all_ids)`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window
+        self._read = 0  # end of the text already returned
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tok.decode(self._ids[start:end], skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._prefix, self._read)
+        new_text = self._decode(self._prefix)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the very end)."""
+        prefix_text = self._decode(self._prefix, self._read)
+        new_text = self._decode(self._prefix)
+        self._prefix = self._read = len(self._ids)
+        return new_text[len(prefix_text):]
+
+
+class StopMatcher:
+    """Cuts the stream at the first stop string, holding back a possible partial match."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was hit)."""
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[:min(hits)], True
+        hold = max((k for s in self._stops for k in range(1, len(s)) if buf.endswith(s[:k])),
+                   default=0)
+        self._held = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held

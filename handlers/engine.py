@@ -1,0 +1,139 @@
+"""The generation loop: scheduler + backend, on one thread. Pure Python.
+
+Each step admits newcomers (prefill), then decodes every running sequence once,
+so new requests join at the next step (continuous) or at the next micro-batch
+(micro). Results go to each request's sink as events. A backend failure fails the
+sequences of that call only -- the newcomers of a prefill, or the batch of a
+decode -- and the loop keeps serving. Nothing here waits on a request: a sink
+must not block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from handlers.backends.base import Backend
+from handlers.scheduler import ErrorEvent, Event, Scheduler, Sequence, TextEvent
+
+logger = logging.getLogger(__name__)
+
+#: observer(name, value, unit) for metrics such as time to first token
+Observer = Callable[[str, float, str], None]
+
+
+class Engine:
+    def __init__(self, backend: Backend, scheduler: Scheduler,
+                 observer: Observer | None = None) -> None:
+        self.backend = backend
+        self.scheduler = scheduler
+        self._observe = observer or (lambda name, value, unit: None)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- called from request threads -------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence; raises CapacityError when the queue is full."""
+        with self._cond:
+            self.scheduler.submit(seq)
+            self._cond.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._cond:
+            seq = self.scheduler.cancel(request_id)
+            self._cond.notify()
+        if seq is not None and seq.slot is None:
+            _emit(seq, ErrorEvent(499, "cancelled"))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="inf2serve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # -- the loop ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self.scheduler.has_work():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:  # the loop must survive anything a step can throw
+                logger.exception("engine step failed")
+                self._fail(list(self.scheduler.running.values()), 500, "internal error")
+
+    def step(self) -> None:
+        """One iteration: release cancelled, prefill newcomers, decode the running batch."""
+        with self._cond:
+            cancelled = self.scheduler.take_cancelled()
+            newcomers = self.scheduler.admit()
+        if cancelled:
+            self.backend.release(cancelled)
+        if newcomers:
+            now = time.monotonic()
+            for seq in newcomers:
+                self._observe("QueueTime", (now - seq.arrived_at) * 1000, "ms")
+            self._call(newcomers, lambda: self.backend.prefill(
+                [s.slot for s in newcomers], [s.prompt_ids for s in newcomers],
+                [s.sampling for s in newcomers]), "prefill")
+        with self._cond:
+            batch = [s for s in self.scheduler.running.values() if not s.cancelled]
+        if batch:
+            self._call(batch, lambda: self.backend.decode([s.slot for s in batch]), "decode")
+
+    def _call(self, seqs: list[Sequence], fn: Callable[[], list[int]], what: str) -> None:
+        try:
+            tokens = fn()
+            if len(tokens) != len(seqs):
+                raise RuntimeError(f"{what} returned {len(tokens)} tokens for {len(seqs)} "
+                                   "sequences")
+        except Exception as exc:
+            logger.exception("%s failed for %d sequence(s)", what, len(seqs))
+            self._fail(seqs, 500, f"generation failed in {what}: {type(exc).__name__}: {exc}")
+            return
+        for seq, token in zip(seqs, tokens, strict=True):
+            self._advance(seq, token)
+
+    def _advance(self, seq: Sequence, token: int) -> None:
+        first = seq.first_token_at is None
+        text, reason = seq.append(token, self.backend.eos_token_ids, self.backend.max_length)
+        if first:
+            self._observe("TimeToFirstToken", (seq.first_token_at - seq.arrived_at) * 1000, "ms")
+        if text:
+            _emit(seq, TextEvent(text))
+        if reason is not None:
+            self._release([seq])
+            self._observe("GeneratedTokens", len(seq.generated), "count")
+            _emit(seq, seq.finish_event(reason))
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        with self._cond:
+            slots = [slot for slot in (self.scheduler.finish(s) for s in seqs) if slot is not None]
+        if slots:
+            try:
+                self.backend.release(slots)
+            except Exception:
+                logger.exception("release of slots %s failed", slots)
+
+    def _fail(self, seqs: list[Sequence], status: int, message: str) -> None:
+        self._release(seqs)
+        for seq in seqs:
+            _emit(seq, ErrorEvent(status, message))
+
+
+def _emit(seq: Sequence, event: Event) -> None:
+    try:
+        seq.sink(event)
+    except Exception:  # a broken sink must not stop other requests
+        logger.exception("sink of request %s failed", seq.request_id)

@@ -1,0 +1,41 @@
+"""One small hierarchy, so callers catch by meaning and messages carry the fix."""
+
+from __future__ import annotations
+
+
+class Inf2ServeError(Exception):
+    """Base class: the message says what was seen, what was expected and the fix."""
+
+
+class ConfigError(Inf2ServeError):
+    """model-config.yaml is invalid; raised at load and when packaging."""
+
+
+class RequestError(Inf2ServeError):
+    """One request is invalid; becomes an HTTP 4xx for that request only."""
+
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
+        self.status = status
+
+
+class CapacityError(Inf2ServeError):
+    """The server is full; becomes HTTP 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class GenerationError(Inf2ServeError):
+    """The backend failed while running a batch; becomes HTTP 5xx for that batch's requests."""
+
+
+class CacheError(Inf2ServeError):
+    """A compile-cache entry is missing, corrupt or was built for another SDK or flags."""
+
+
+class NeuronUnavailableError(Inf2ServeError):
+    """The Neuron SDK (torch-neuronx, transformers-neuronx) is not installed here."""

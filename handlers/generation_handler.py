@@ -1,0 +1,186 @@
+"""The TorchServe handler: thin glue from TorchServe's API to the generation service.
+
+Runs under `asyncCommunication: true`: TorchServe hands requests over as they
+arrive (grouped by batchSize/maxBatchDelay) and each request is its own coroutine
+here, streaming its chunks with `send_intermediate_predict_response`. Batching --
+micro or continuous -- happens in the engine thread behind `GenerationService`.
+
+TorchServe 0.12 answers a whole `handle` call at once, so a request that finishes
+early in a frontend batch would keep its stream open until the slowest one ends
+(a known fault of the reference design). `BatchCloser` sends each request's last
+message itself and drops it from `context.request_ids` -- the very dict TorchServe
+builds the batch's final message from -- leaving the last request to TorchServe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from handlers.apis import Immediate, NativeApi, select_api
+from handlers.config import parse_config
+from handlers.errors import CapacityError, RequestError
+from handlers.framing import Framer, native_framer
+from handlers.scheduler import ErrorEvent, FinishEvent
+from handlers.service import GenerationService
+
+logger = logging.getLogger(__name__)
+
+
+class StreamWriter:
+    """Writes one request's response through TorchServe: status, headers, chunks."""
+
+    def __init__(self, context: Any, idx: int) -> None:
+        self.context = context
+        self.idx = idx
+        self.started = False
+
+    def begin(self, framer: Framer) -> None:
+        self.context.set_response_content_type(self.idx, framer.content_type)
+
+    def send(self, payload: str) -> None:
+        from ts.handler_utils.utils import send_intermediate_predict_response
+
+        if not payload:
+            return
+        req = {self.idx: self.context.get_request_id(self.idx)}
+        send_intermediate_predict_response({self.idx: payload}, req, "Intermediate", 200,
+                                           self.context)
+        self.started = True
+
+    def close(self, payload: str) -> None:
+        """Send the request's last message now (ending its stream) and take it out of the
+        batch response TorchServe will send when the whole batch is done."""
+        from ts.protocol.otf_message_handler import create_predict_response
+
+        req = {self.idx: self.context.get_request_id(self.idx)}
+        message = create_predict_response({self.idx: payload}, req, "Prediction success", 200,
+                                          self.context)
+        self.context.cl_socket.sendall(message)
+        del self.context.request_ids[self.idx]
+
+    def fail(self, status: int, body: str, headers: dict[str, str] | None = None) -> str:
+        """An error before any chunk went out: a proper HTTP status and JSON body."""
+        self.context.set_response_status(status, "", self.idx)
+        self.context.set_response_content_type(self.idx, "application/json")
+        for key, value in (headers or {}).items():
+            self.context.set_response_header(self.idx, key, value)
+        return body
+
+
+class BatchCloser:
+    """Counts the requests of one `handle` call still running (all on one event loop)."""
+
+    def __init__(self, size: int) -> None:
+        self.pending = size
+
+    def done(self, writer: StreamWriter, payload: str) -> str:
+        self.pending -= 1
+        if self.pending == 0:
+            return payload  # the last one goes out with TorchServe's batch response
+        writer.close(payload)
+        return ""
+
+
+class GenerationHandler:
+    """config -> backend -> scheduler -> stream writer."""
+
+    def __init__(self) -> None:
+        self.service: GenerationService | None = None
+        self.initialized = False
+
+    def initialize(self, context: Any) -> None:
+        config = parse_config(context.model_yaml_config)
+        model_dir = Path(context.system_properties["model_dir"])
+        self.service = GenerationService.create(config, model_dir, self._observer(context),
+                                                backend=self.make_backend(config, model_dir))
+        self.initialized = True
+
+    def make_backend(self, config, model_dir):  # noqa: ANN001 - hook for subclasses and tests
+        """None = the configured backend; a subclass may wrap or replace it."""
+        return None
+
+    async def handle(self, data: list[dict], context: Any) -> list[str]:
+        closer = BatchCloser(len(data))
+
+        async def one(idx: int, item: dict) -> str:
+            writer = StreamWriter(context, idx)
+            try:
+                payload = await self.serve_one(writer, item)
+            except Exception as exc:  # never let one request fail the whole batch message
+                logger.exception("request %s failed", context.get_request_id(idx))
+                payload = writer.fail(500, native_framer(False, "").error(500, repr(exc)))
+            return closer.done(writer, payload)
+
+        return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(data))))
+
+    async def serve_one(self, writer: StreamWriter, item: dict) -> str:
+        context, idx = writer.context, writer.idx
+        framer: Framer = NativeApi.error_framer
+        try:
+            api = select_api(context.get_request_header(idx, "url_path"))
+            framer = api.error_framer
+            prepared = api.prepare(_payload(item), _content_type(context, idx), self.service)
+            if isinstance(prepared, Immediate):
+                context.set_response_content_type(idx, prepared.content_type)
+                return prepared.body
+            framer = prepared.framer
+            events = self.service.submit(context.get_request_id(idx), prepared.request,
+                                         prepared.prompt_ids, asyncio.get_running_loop())
+        except RequestError as exc:
+            return writer.fail(exc.status, framer.error(exc.status, exc.message, exc.field))
+        except CapacityError as exc:
+            return writer.fail(503, framer.error(503, str(exc)),
+                               {"Retry-After": str(exc.retry_after_s)})
+        return await self.stream(writer, framer, events)
+
+    async def stream(self, writer: StreamWriter, framer: Framer, events: asyncio.Queue) -> str:
+        """Forward events until the sequence ends; the return value is the last piece."""
+        writer.begin(framer)
+        while True:
+            event = await events.get()
+            if isinstance(event, FinishEvent):
+                return framer.final(event)
+            if isinstance(event, ErrorEvent):
+                if writer.started:
+                    return framer.error(event.status, event.message, in_stream=True)
+                return writer.fail(event.status, framer.error(event.status, event.message))
+            if framer.streaming:
+                writer.send(framer.chunk(event.text))
+
+    @staticmethod
+    def _observer(context: Any):
+        """Engine observations -> TorchServe custom metrics (thread-safe: they log)."""
+        from ts.metrics.metric_type_enum import MetricTypes
+
+        types = {"TimeToFirstToken": ("ms", MetricTypes.HISTOGRAM),
+                 "QueueTime": ("ms", MetricTypes.HISTOGRAM),
+                 "GeneratedTokens": ("count", MetricTypes.COUNTER)}
+        model = context.model_name
+        metrics = {name: context.metrics.add_metric_to_cache(name, unit, ["ModelName"], kind)
+                   for name, (unit, kind) in types.items()}
+
+        def observe(name: str, value: float, unit: str) -> None:
+            metrics[name].add_or_update(value, [model])
+
+        return observe
+
+
+def _payload(item: dict) -> Any:
+    for key in ("data", "body"):
+        if key in item:
+            return item[key]
+    return None
+
+
+def _content_type(context: Any, idx: int) -> str:
+    try:
+        props = context.request_processor[idx].get_request_properties()
+    except (AttributeError, IndexError, TypeError):
+        return ""
+    for key in ("data", "body"):
+        if isinstance(props.get(key), dict):
+            return str(props[key].get("content-type", ""))
+    return ""

@@ -1,0 +1,166 @@
+"""Who runs next: slots, admission, finishing, cancellation. Pure Python.
+
+The scheduler holds no model and no threads; the engine calls it under a lock.
+Two policies share it:
+- continuous: a waiting request takes any free slot at the next step;
+- micro: static micro-batches (the reference Inf2 design) -- up to
+  micro_batch_size requests start together and no one joins until all of them
+  have finished; each still leaves (and its stream closes) as soon as it is done.
+Admission is first-come, first-served in both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from handlers.backends.base import SamplingParams
+from handlers.detokenize import IncrementalDetokenizer, StopMatcher, Tokenizer
+from handlers.errors import CapacityError
+
+
+@dataclass(frozen=True)
+class TextEvent:
+    text: str
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: str  # stop | length
+    prompt_tokens: int
+    completion_tokens: int
+    text: str  # the whole generated text, for non-streaming answers
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    status: int
+    message: str
+
+
+Event = TextEvent | FinishEvent | ErrorEvent
+Sink = Callable[[Event], None]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's generation state. Never calls the model."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    sink: Sink
+    tokenizer: Tokenizer
+    arrived_at: float = field(default_factory=time.monotonic)
+    slot: int | None = None
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    generated: list[int] = field(default_factory=list)
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self._detok = IncrementalDetokenizer(self.tokenizer)
+        self._stopper = StopMatcher(self.stop)
+        self._text: list[str] = []
+
+    def append(self, token: int, eos_ids: frozenset[int],
+               max_length: int) -> tuple[str, str | None]:
+        """Add a generated token; return (new text, finish reason or None)."""
+        self.generated.append(token)
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        reason = None
+        if token in eos_ids:
+            reason = "stop"
+            delta = ""
+        else:
+            delta = self._detok.push(token)
+        if reason is None and (len(self.generated) >= self.max_new_tokens
+                               or len(self.prompt_ids) + len(self.generated) >= max_length):
+            reason = "length"
+        if reason is not None:
+            delta += self._detok.flush()
+        text, hit = self._stopper.feed(delta)
+        if hit:
+            reason = "stop"
+        elif reason is not None:
+            text += self._stopper.flush()
+        self._text.append(text)
+        return text, reason
+
+    def finish_event(self, reason: str) -> FinishEvent:
+        return FinishEvent(reason, len(self.prompt_ids), len(self.generated), "".join(self._text),
+                           tuple(self.generated))
+
+
+class Scheduler:
+    def __init__(self, slots: int, policy: str = "continuous", micro_batch_size: int = 0,
+                 max_queue: int = 64) -> None:
+        if policy not in ("continuous", "micro"):
+            raise ValueError(f"policy {policy!r}: choose 'continuous' or 'micro'")
+        self.slots = slots
+        self.policy = policy
+        self.micro_batch_size = min(micro_batch_size or slots, slots)
+        self.max_queue = max_queue
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    def submit(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise CapacityError(f"{len(self.waiting)} requests are waiting (handler.max_queue="
+                                f"{self.max_queue}); retry later or add workers")
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Give free slots to waiting requests, as the policy allows."""
+        if self.policy == "micro":
+            room = self.micro_batch_size if not self.running else 0
+        else:
+            room = len(self._free)
+        admitted = []
+        now = time.monotonic()
+        while self.waiting and room > 0:
+            seq = self.waiting.popleft()
+            seq.slot = self._free.pop()
+            seq.admitted_at = now
+            self.running[seq.slot] = seq
+            admitted.append(seq)
+            room -= 1
+        return admitted
+
+    def finish(self, seq: Sequence) -> int | None:
+        """Free the sequence's slot (continuous: reusable at the next step); return it."""
+        slot = seq.slot
+        if slot is not None and self.running.get(slot) is seq:
+            del self.running[slot]
+            self._free.append(slot)
+            seq.slot = None
+            return slot
+        return None
+
+    def cancel(self, request_id: str) -> Sequence | None:
+        """Drop a waiting request, or mark a running one for release at the next step."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.cancelled = True
+                return seq
+        for seq in self.running.values():
+            if seq.request_id == request_id:
+                seq.cancelled = True
+                return seq
+        return None
+
+    def take_cancelled(self) -> list[int]:
+        """Finish running sequences marked cancelled; return their slots for the backend."""
+        gone = [s for s in self.running.values() if s.cancelled]
+        return [slot for slot in (self.finish(s) for s in gone) if slot is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.running) or bool(self.waiting)

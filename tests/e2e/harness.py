@@ -1,0 +1,126 @@
+"""Start a real TorchServe on packaged archives, and read its streams.
+
+Used by every end-to-end test: free ports, a temporary model store and run
+directory, READY checked through the management API, token auth on, and the
+server always stopped (no Java process left) -- its logs are attached to failures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from archive_tools import serve
+from archive_tools.package import package
+
+BASE_CONFIG = Path(__file__).resolve().parents[2] / "model_configs" / "tiny-llama-cpu.yaml"
+
+
+def make_config(path: Path, frontend: dict | None = None, handler: dict | None = None) -> Path:
+    """The shipped tiny config with overrides, written to `path`."""
+    data = yaml.safe_load(BASE_CONFIG.read_text())
+    data = copy.deepcopy(data)
+    data.update(frontend or {})
+    data["handler"].update(handler or {})
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@dataclass
+class ArchiveSpec:
+    name: str
+    frontend: dict = field(default_factory=dict)
+    handler: dict = field(default_factory=dict)
+    fmt: str = "mar"
+    entry_source: str | None = None  # replaces handler_entry.py (no-archive only)
+
+
+def build_store(root: Path, checkpoint: Path, specs: list[ArchiveSpec]) -> Path:
+    store = root / "model_store"
+    store.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        cfg = make_config(root / f"{spec.name}.yaml", spec.frontend, spec.handler)
+        target = package(cfg, checkpoint, spec.name, spec.fmt, store, force=True)
+        if spec.entry_source is not None:
+            (target / "handler_entry.py").write_text(spec.entry_source)
+    return store
+
+
+@contextlib.contextmanager
+def running_server(store: Path, run_dir: Path, models: list[str],
+                   env: dict[str, str] | None = None, workers: int = 1,
+                   python: str | None = None) -> Iterator[serve.Server]:
+    server = None
+    try:
+        server = serve.start(store, models, run_dir, env=env, workers=workers, python=python,
+                             ready_timeout_s=300)
+        yield server
+    finally:
+        serve.stop(run_dir)
+        if server is not None:
+            _assert_no_java(run_dir)
+
+
+def _assert_no_java(run_dir: Path) -> None:
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info.get("cmdline") or [])
+        if "org.pytorch.serve.ModelServer" in cmd and str(run_dir) in cmd:
+            raise AssertionError(f"TorchServe still running after stop: pid {proc.pid}")
+
+
+@dataclass
+class StreamResult:
+    status: int
+    headers: dict
+    chunks: list[tuple[float, bytes]]  # (arrival time, bytes) as read from the socket
+    started: float
+    ended: float
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(c for _, c in self.chunks)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def ndjson(self) -> list[dict]:
+        return [json.loads(line) for line in self.text.splitlines() if line.strip()]
+
+
+def post(server: serve.Server, model: str, body: Any, timeout: float = 120,
+         headers: dict | None = None) -> StreamResult:
+    """POST and read the chunked response as it arrives."""
+    hdrs = {"Authorization": f"Bearer {server.inference_token}"}
+    hdrs.update(headers or {})
+    kwargs = {"json": body} if isinstance(body, dict) else {"content": body}
+    started = time.monotonic()
+    with httpx.Client(timeout=timeout) as client:
+        with client.stream("POST", f"{server.inference_url}/predictions/{model}",
+                           headers=hdrs, **kwargs) as r:
+            chunks = [(time.monotonic(), c) for c in r.iter_raw() if c]
+            return StreamResult(r.status_code, dict(r.headers), chunks, started,
+                                time.monotonic())
+
+
+def logs(run_dir: Path) -> str:
+    return serve.log_tail(run_dir, 200)
+
+
+def cleanup(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
