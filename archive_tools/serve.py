@@ -52,10 +52,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, int, int],
+def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, ...],
                             workers: int = 1, extra: dict[str, str] | None = None) -> Path:
-    inf, mgmt, metrics = ports
+    inf, mgmt, metrics, grpc_inf, grpc_mgmt = ports
     props = {
+        # every port of its own, so several servers (demo, tests) can run side by side
+        "grpc_inference_port": str(grpc_inf),
+        "grpc_management_port": str(grpc_mgmt),
         "inference_address": f"http://127.0.0.1:{inf}",
         "management_address": f"http://127.0.0.1:{mgmt}",
         "metrics_address": f"http://127.0.0.1:{metrics}",
@@ -80,6 +83,7 @@ def _server_env(run_dir: Path, env: dict[str, str] | None) -> dict[str, str]:
     tmp = run_dir / "tmp"
     tmp.mkdir(exist_ok=True)
     out["TMPDIR"] = str(tmp)  # TorchServe's pid file lives in $TMPDIR
+    out["TEMP"] = str(tmp)  # -> java.io.tmpdir: worker sockets and unpacked archives
     out["LOG_LOCATION"] = str(run_dir / "logs")
     out["METRICS_LOCATION"] = str(run_dir / "logs")
     return out
@@ -185,7 +189,7 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
                              f"stop it with `inf2serve stop --run-dir {run_dir}`")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "key_file.json").unlink(missing_ok=True)
-    ports = (free_port(), free_port(), free_port())
+    ports = tuple(free_port() for _ in range(5))
     cfg = write_config_properties(run_dir, model_store, ports, workers, extra_props)
     cmd = [_torchserve_bin(python), "--start", "--ncs", "--model-store", str(model_store.resolve()),
            "--ts-config", str(cfg), "--models", *specs]

@@ -70,6 +70,7 @@ class HandlerConfig:
     batching: str = _opt("continuous", choices=("continuous", "micro"))
     batch_size: int = _opt(4, lo=1, hi=256, doc="sequences the backend runs at once (slots)")
     micro_batch_size: int = _opt(0, lo=0, hi=256, doc="micro mode; 0 = batch_size")
+    batch_delay_ms: int = _opt(20, lo=0, hi=10_000, doc="micro mode: wait to fill a micro-batch")
     max_length: int = _opt(2048, lo=2, doc="prompt + generated tokens per sequence")
     max_new_tokens_limit: int = _opt(512, lo=1)
     max_queue: int = _opt(64, lo=1, doc="waiting requests before 503")
@@ -77,6 +78,8 @@ class HandlerConfig:
     device: str = _opt("auto", choices=("auto", "cpu", "cuda"))
     threads: int = _opt(0, lo=0, doc="torch intra-op threads; 0 = torch default")
     warmup: bool = _opt(True)
+    chat_template: str = _opt("", doc="OpenAI chat: preset (llama-2), inline Jinja or a file in "
+                                      "the checkpoint dir; empty = the tokenizer's template")
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     neuron: NeuronSettings = field(default_factory=NeuronSettings)
 
@@ -91,8 +94,8 @@ class FrontendConfig:
 
     min_workers: int = _opt(1, lo=1, key="minWorkers")
     max_workers: int = _opt(1, lo=1, key="maxWorkers")
-    batch_size: int = _opt(8, lo=1, key="batchSize")
-    max_batch_delay: int = _opt(20, lo=0, key="maxBatchDelay")
+    batch_size: int = _opt(1, lo=1, key="batchSize")
+    max_batch_delay: int = _opt(0, lo=0, key="maxBatchDelay")
     response_timeout: int = _opt(300, lo=1, key="responseTimeout")
     startup_timeout: int = _opt(600, lo=1, key="startupTimeout")
     async_communication: bool = _opt(True, key="asyncCommunication")
@@ -190,10 +193,12 @@ def _cross_check(cfg: ModelConfig) -> None:
         raise ConfigError(
             "continuousBatching: must be false; inf2serve does continuous batching inside the "
             "worker (handler.batching: continuous) on top of asyncCommunication")
-    if fe.batch_size > h.max_queue:
+    if fe.batch_size != 1:
         raise ConfigError(
-            f"batchSize: {fe.batch_size} exceeds handler.max_queue {h.max_queue}; a frontend batch "
-            "must fit in the handler's queue")
+            f"batchSize: {fe.batch_size}; must be 1. Under asyncCommunication each request goes to "
+            "the worker on its own and the handler batches them (handler.batch_size, "
+            "micro_batch_size, batch_delay_ms); TorchServe 0.12's async aggregator fails on "
+            "frontend batches larger than 1")
     if fe.min_workers > fe.max_workers:
         raise ConfigError(f"minWorkers: {fe.min_workers} exceeds maxWorkers {fe.max_workers}")
 

@@ -63,8 +63,11 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self.scheduler.has_work():
-                    self._cond.wait()
+                while not self._stopping:
+                    wait = self.scheduler.wait_time()
+                    if wait == 0.0:
+                        break
+                    self._cond.wait(wait)
                 if self._stopping:
                     return
             try:

@@ -1,15 +1,11 @@
 """The TorchServe handler: thin glue from TorchServe's API to the generation service.
 
-Runs under `asyncCommunication: true`: TorchServe hands requests over as they
-arrive (grouped by batchSize/maxBatchDelay) and each request is its own coroutine
-here, streaming its chunks with `send_intermediate_predict_response`. Batching --
-micro or continuous -- happens in the engine thread behind `GenerationService`.
-
-TorchServe 0.12 answers a whole `handle` call at once, so a request that finishes
-early in a frontend batch would keep its stream open until the slowest one ends
-(a known fault of the reference design). `BatchCloser` sends each request's last
-message itself and drops it from `context.request_ids` -- the very dict TorchServe
-builds the batch's final message from -- leaving the last request to TorchServe.
+Runs under `asyncCommunication: true` with `batchSize: 1`: TorchServe hands each
+request over as it arrives and each one is its own coroutine here, streaming its
+chunks with `send_intermediate_predict_response` and ending its stream the moment
+it finishes -- whatever else is running. Batching, micro or continuous, happens in
+the engine thread behind `GenerationService`, not in TorchServe's frontend (whose
+batch would keep every stream open until the slowest request ends).
 """
 
 from __future__ import annotations
@@ -50,17 +46,6 @@ class StreamWriter:
                                            self.context)
         self.started = True
 
-    def close(self, payload: str) -> None:
-        """Send the request's last message now (ending its stream) and take it out of the
-        batch response TorchServe will send when the whole batch is done."""
-        from ts.protocol.otf_message_handler import create_predict_response
-
-        req = {self.idx: self.context.get_request_id(self.idx)}
-        message = create_predict_response({self.idx: payload}, req, "Prediction success", 200,
-                                          self.context)
-        self.context.cl_socket.sendall(message)
-        del self.context.request_ids[self.idx]
-
     def fail(self, status: int, body: str, headers: dict[str, str] | None = None) -> str:
         """An error before any chunk went out: a proper HTTP status and JSON body."""
         self.context.set_response_status(status, "", self.idx)
@@ -68,20 +53,6 @@ class StreamWriter:
         for key, value in (headers or {}).items():
             self.context.set_response_header(self.idx, key, value)
         return body
-
-
-class BatchCloser:
-    """Counts the requests of one `handle` call still running (all on one event loop)."""
-
-    def __init__(self, size: int) -> None:
-        self.pending = size
-
-    def done(self, writer: StreamWriter, payload: str) -> str:
-        self.pending -= 1
-        if self.pending == 0:
-            return payload  # the last one goes out with TorchServe's batch response
-        writer.close(payload)
-        return ""
 
 
 class GenerationHandler:
@@ -103,16 +74,13 @@ class GenerationHandler:
         return None
 
     async def handle(self, data: list[dict], context: Any) -> list[str]:
-        closer = BatchCloser(len(data))
-
         async def one(idx: int, item: dict) -> str:
             writer = StreamWriter(context, idx)
             try:
-                payload = await self.serve_one(writer, item)
-            except Exception as exc:  # never let one request fail the whole batch message
+                return await self.serve_one(writer, item)
+            except Exception as exc:  # an exception here would fail every in-flight request
                 logger.exception("request %s failed", context.get_request_id(idx))
-                payload = writer.fail(500, native_framer(False, "").error(500, repr(exc)))
-            return closer.done(writer, payload)
+                return writer.fail(500, native_framer(False, "").error(500, repr(exc)))
 
         return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(data))))
 

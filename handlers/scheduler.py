@@ -6,6 +6,8 @@ Two policies share it:
 - micro: static micro-batches (the reference Inf2 design) -- up to
   micro_batch_size requests start together and no one joins until all of them
   have finished; each still leaves (and its stream closes) as soon as it is done.
+  A micro-batch starts when it is full or its oldest request has waited
+  batch_delay_s, as TorchServe's batchSize/maxBatchDelay would.
 Admission is first-come, first-served in both.
 """
 
@@ -100,13 +102,14 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, slots: int, policy: str = "continuous", micro_batch_size: int = 0,
-                 max_queue: int = 64) -> None:
+                 max_queue: int = 64, batch_delay_s: float = 0.0) -> None:
         if policy not in ("continuous", "micro"):
             raise ValueError(f"policy {policy!r}: choose 'continuous' or 'micro'")
         self.slots = slots
         self.policy = policy
         self.micro_batch_size = min(micro_batch_size or slots, slots)
         self.max_queue = max_queue
+        self.batch_delay_s = batch_delay_s
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -117,14 +120,29 @@ class Scheduler:
                                 f"{self.max_queue}); retry later or add workers")
         self.waiting.append(seq)
 
-    def admit(self) -> list[Sequence]:
+    def _room(self, now: float) -> int:
+        if self.policy == "continuous":
+            return len(self._free)
+        if self.running or not self.waiting:
+            return 0
+        full = len(self.waiting) >= self.micro_batch_size
+        due = now - self.waiting[0].arrived_at >= self.batch_delay_s
+        return self.micro_batch_size if full or due else 0
+
+    def wait_time(self, now: float | None = None) -> float | None:
+        """Seconds until admission could happen without a new arrival; None = no such time."""
+        now = time.monotonic() if now is None else now
+        if self.running or (self.waiting and self._room(now)):
+            return 0.0
+        if self.policy == "micro" and self.waiting:
+            return max(0.0, self.waiting[0].arrived_at + self.batch_delay_s - now)
+        return None
+
+    def admit(self, now: float | None = None) -> list[Sequence]:
         """Give free slots to waiting requests, as the policy allows."""
-        if self.policy == "micro":
-            room = self.micro_batch_size if not self.running else 0
-        else:
-            room = len(self._free)
+        now = time.monotonic() if now is None else now
+        room = self._room(now)
         admitted = []
-        now = time.monotonic()
         while self.waiting and room > 0:
             seq = self.waiting.popleft()
             seq.slot = self._free.pop()

@@ -46,7 +46,7 @@ class GenerationService:
         if h.warmup:
             backend.warmup()
         scheduler = Scheduler(backend.batch_size, h.batching, h.effective_micro_batch_size,
-                              h.max_queue)
+                              h.max_queue, h.batch_delay_ms / 1000)
         engine = Engine(backend, scheduler, observer)
         engine.start()
         logger.info("model ready in %.1fs: backend=%s batching=%s slots=%d", time.monotonic() -

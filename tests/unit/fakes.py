@@ -1,0 +1,60 @@
+"""Pure-Python stand-ins for the model side, recording what was asked of them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from handlers.backends.base import Backend, SamplingParams
+
+
+class CountingBackend(Backend):
+    """Next token = previous + 1 (first = last prompt token + 1); EOS when it hits `eos`.
+
+    Deterministic per sequence and independent of batching, so a sequence must
+    produce the same tokens whoever it shares the batch with.
+    """
+
+    def __init__(self, batch_size: int = 4, max_length: int = 64, eos: int = 10_000,
+                 fail_prefill_on: int | None = None, fail_decode_at: int | None = None):
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.eos_token_ids = frozenset([eos])
+        self.last: dict[int, int] = {}
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+        self.fail_prefill_on = fail_prefill_on
+        self.fail_decode_at = fail_decode_at
+        self.decodes = 0
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                params: Sequence[SamplingParams]) -> list[int]:
+        self.calls.append(("prefill", tuple(slots)))
+        if any(s in self.last for s in slots):
+            raise ValueError("prefill into a busy slot")
+        if self.fail_prefill_on is not None and any(self.fail_prefill_on in p for p in prompts):
+            raise RuntimeError("injected prefill failure")
+        for slot, prompt in zip(slots, prompts, strict=True):
+            self.last[slot] = prompt[-1] + 1
+        return [self.last[s] for s in slots]
+
+    def decode(self, slots: Sequence[int]) -> list[int]:
+        self.calls.append(("decode", tuple(slots)))
+        self.decodes += 1
+        if set(slots) != set(self.last):
+            raise ValueError(f"decode {sorted(slots)} but running {sorted(self.last)}")
+        if self.fail_decode_at is not None and self.decodes == self.fail_decode_at:
+            raise RuntimeError("injected decode failure")
+        for slot in slots:
+            self.last[slot] += 1
+        return [self.last[s] for s in slots]
+
+    def release(self, slots: Sequence[int]) -> None:
+        self.calls.append(("release", tuple(slots)))
+        for slot in slots:
+            self.last.pop(slot, None)
+
+
+class CharTokenizer:
+    """Token id = a character code point; decode joins them."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i < 0x110000)

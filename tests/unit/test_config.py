@@ -1,0 +1,41 @@
+from pathlib import Path
+
+import pytest
+
+from handlers.config import load_config, parse_config
+from handlers.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_shipped_tiny_config_loads_and_round_trips():
+    cfg = load_config(ROOT / "model_configs" / "tiny-llama-cpu.yaml")
+    assert cfg.handler.backend == "torch" and cfg.frontend.async_communication
+    assert parse_config(cfg.to_yaml_dict()) == cfg
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"handler": {"batch_sise": 4}}, "did you mean 'batch_size'"),
+    ({"batchSise": 4}, "did you mean 'batchSize'"),
+    ({"handler": {"batching": "dynamic"}}, "choose one of 'continuous', 'micro'"),
+    ({"handler": {"batch_size": 0}}, "out of range"),
+    ({"handler": {"batch_size": "4"}}, "expected int"),
+    ({"handler": {"batch_size": 2, "micro_batch_size": 4}}, "micro_batch_size: 4 exceeds"),
+    ({"handler": {"max_length": 64, "max_new_tokens_limit": 64}}, "leaves no room"),
+    ({"handler": {"defaults": {"max_new_tokens": 900}}}, "exceeds handler.max_new_tokens_limit"),
+    ({"asyncCommunication": False}, "asyncCommunication: must be true"),
+    ({"continuousBatching": True}, "continuousBatching: must be false"),
+    ({"handler": {"neuron": {"tp_degre": 2}}}, "handler.neuron.tp_degre: unknown key"),
+])
+def test_errors_name_the_key_and_the_fix(data, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data)
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("handler: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

@@ -1,0 +1,130 @@
+from handlers.backends.base import SamplingParams
+from handlers.engine import Engine
+from handlers.scheduler import ErrorEvent, FinishEvent, Scheduler, Sequence, TextEvent
+from tests.unit.fakes import CharTokenizer, CountingBackend
+
+
+def make(policy="continuous", micro=0, **kw):
+    backend = CountingBackend(**kw)
+    seen = []
+    engine = Engine(backend, Scheduler(backend.batch_size, policy, micro),
+                    observer=lambda *a: seen.append(a))
+    return engine, backend, seen
+
+
+def submit(engine, rid, start, n, events):
+    s = Sequence(request_id=rid, prompt_ids=[start], max_new_tokens=n, sampling=SamplingParams(),
+                 stop=(), tokenizer=CharTokenizer(), sink=events.setdefault(rid, []).append)
+    engine.submit(s)
+    return s
+
+
+def text(events):
+    return "".join(e.text for e in events if isinstance(e, TextEvent))
+
+
+def run(engine, steps=100):
+    for _ in range(steps):
+        if not engine.scheduler.has_work():
+            return
+        engine.step()
+
+
+def test_request_joining_mid_decode_gets_the_same_tokens_as_alone():
+    alone, _, _ = make()
+    ev_alone = {}
+    submit(alone, "b", ord("a"), 5, ev_alone)
+    run(alone)
+
+    engine, backend, _ = make()
+    ev = {}
+    submit(engine, "a", ord("A"), 8, ev)
+    engine.step()
+    engine.step()
+    submit(engine, "b", ord("a"), 5, ev)  # joins while "a" is decoding
+    run(engine)
+    assert text(ev["b"]) == text(ev_alone["b"]) == "bcdef"
+    assert text(ev["a"]) == "BCDEFGHI"
+    assert ("prefill", (1,)) in backend.calls  # admitted into the free slot at the next step
+    assert isinstance(ev["b"][-1], FinishEvent) and ev["b"][-1].completion_tokens == 5
+
+
+def test_finished_sequence_is_released_and_its_stream_ends_first():
+    engine, backend, _ = make()
+    ev = {}
+    submit(engine, "long", 100, 6, ev)
+    submit(engine, "short", 200, 2, ev)
+    engine.step()  # prefill both + one decode: short is done
+    assert isinstance(ev["short"][-1], FinishEvent)
+    assert not isinstance(ev["long"][-1], FinishEvent)
+    assert ("release", (1,)) in backend.calls
+
+
+def test_micro_policy_runs_static_micro_batches():
+    engine, backend, _ = make(policy="micro", micro=2)
+    ev = {}
+    for i in range(4):
+        submit(engine, str(i), 100 * (i + 1), 3 + i, ev)
+    run(engine)
+    prefills = [sorted(c[1]) for c in backend.calls if c[0] == "prefill"]
+    assert prefills == [[0, 1], [0, 1]]  # two micro-batches of two, one after the other
+    second = backend.calls.index(next(c for c in backend.calls[1:] if c[0] == "prefill"))
+    assert {s for c in backend.calls[:second] if c[0] == "release" for s in c[1]} == {0, 1}
+    assert all(isinstance(ev[str(i)][-1], FinishEvent) for i in range(4))
+
+
+def test_prefill_failure_fails_only_its_newcomers():
+    engine, backend, _ = make(fail_prefill_on=666)
+    ev = {}
+    submit(engine, "ok", 100, 4, ev)
+    engine.step()
+    submit(engine, "bad", 666, 4, ev)
+    run(engine)
+    assert isinstance(ev["bad"][-1], ErrorEvent) and ev["bad"][-1].status == 500
+    assert isinstance(ev["ok"][-1], FinishEvent) and ev["ok"][-1].completion_tokens == 4
+    submit(engine, "later", 300, 2, ev)  # the engine keeps serving
+    run(engine)
+    assert isinstance(ev["later"][-1], FinishEvent)
+    assert backend.last == {}
+
+
+def test_decode_failure_fails_that_batch_and_frees_slots():
+    engine, backend, _ = make(fail_decode_at=2)
+    ev = {}
+    submit(engine, "a", 100, 10, ev)
+    submit(engine, "b", 200, 10, ev)
+    run(engine)
+    assert [type(ev[k][-1]) for k in "ab"] == [ErrorEvent, ErrorEvent]
+    assert engine.scheduler.running == {} and backend.last == {}
+
+
+def test_metrics_observed():
+    engine, _, seen = make()
+    submit(engine, "a", 100, 3, {})
+    run(engine)
+    names = [s[0] for s in seen]
+    assert names.count("TimeToFirstToken") == 1 and "QueueTime" in names
+    assert ("GeneratedTokens", 3, "count") in seen
+
+
+def test_thread_loop_serves_and_stops():
+    import threading
+
+    engine, _, _ = make()
+    done = threading.Event()
+    events = []
+
+    def sink(e):
+        events.append(e)
+        if isinstance(e, FinishEvent):
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit(Sequence(request_id="t", prompt_ids=[100], max_new_tokens=3,
+                               sampling=SamplingParams(), stop=(), tokenizer=CharTokenizer(),
+                               sink=sink))
+        assert done.wait(5)
+    finally:
+        engine.stop()
+    assert text(events) == "efg"

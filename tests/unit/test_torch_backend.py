@@ -1,0 +1,76 @@
+"""The torch backend against `generate`: same tokens, alone or sharing a batch."""
+
+import pytest
+import torch
+
+from handlers.backends.base import SamplingParams
+from handlers.config import parse_config
+
+PROMPTS = ["Hello there, how are you", "The sea", "Once upon a time there was a robot", "日本語"]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from handlers.backends.torch_backend import TorchBackend
+
+    cfg = parse_config({"handler": {"batch_size": 4, "max_length": 256,
+                                    "max_new_tokens_limit": 128}}).handler
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    return TorchBackend(tiny_checkpoint, cfg), tok, model
+
+
+def reference(model, ids, n, **kw):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def test_staggered_rows_match_generate(setup):
+    backend, tok, model = setup
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    want = [reference(model, x, 12, do_sample=False) for x in ids]
+    got = {i: [] for i in range(4)}
+    sp = SamplingParams(min_new_tokens=12)
+    got[0] += backend.prefill([0], [ids[0]], [sp])
+    for step in range(30):
+        if step == 2:
+            for slot, token in zip([1, 2], backend.prefill([1, 2], ids[1:3], [sp, sp]),
+                                   strict=True):
+                got[slot].append(token)
+        if step == 5:
+            got[3] += backend.prefill([3], [ids[3]], [sp])
+        running = [s for s in range(4) if 0 < len(got[s]) < 12]
+        if not running and step > 5:
+            break
+        backend.release([s for s in range(4) if len(got[s]) >= 12])
+        for slot, token in zip(running, backend.decode(running), strict=True):
+            got[slot].append(token)
+    backend.release([0, 1, 2, 3])
+    assert [got[i][:12] for i in range(4)] == want
+
+
+def test_seeded_sampling_is_reproducible_and_min_new_tokens_blocks_eos(setup):
+    backend, tok, _ = setup
+    ids = tok("The sea")["input_ids"]
+    runs = []
+    for _ in range(2):
+        p = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=7, min_new_tokens=20)
+        out = backend.prefill([0], [ids], [p])
+        for _ in range(19):
+            out += backend.decode([0])
+        backend.release([0])
+        runs.append(out)
+    assert runs[0] == runs[1]
+    assert not set(runs[0]) & backend.eos_token_ids
+
+
+def test_misuse_is_rejected(setup):
+    backend, tok, _ = setup
+    backend.prefill([0], [[1, 2, 3]], [SamplingParams()])
+    with pytest.raises(ValueError, match="busy"):
+        backend.prefill([0], [[1, 2]], [SamplingParams()])
+    with pytest.raises(ValueError, match="running"):
+        backend.decode([1])
+    backend.release([0])
