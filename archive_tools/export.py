@@ -1,0 +1,194 @@
+"""`inf2serve export`: lay an archive out the way a managed platform loads it.
+
+sagemaker: an uncompressed model-data folder for an S3 prefix (ModelDataSource,
+CompressionType None), which SageMaker downloads to /opt/ml/model:
+    config.properties   TorchServe config: /ping and /invocations on 8080, one model
+    serve               entry point: starts TorchServe in the foreground from a
+                        writable work dir (/opt/ml/model is read-only)
+    <archive>           the archive as packaged (a no-archive folder loads fastest)
+TorchServe answers SageMaker's /ping and /invocations itself (one startup model),
+so the stock TorchServe / Neuron DLC image only needs `serve` as its entry point.
+The SageMaker PyTorch toolkit's default `serve` is not used: it re-archives
+/opt/ml/model into a .mar with its own handler (every weight copied again, no
+streaming).
+
+kserve: the layout KServe's TorchServe runtime mounts at /mnt/models:
+    config/config.properties   (model_snapshot names the archive)
+    model-store/<archive>
+
+Both disable TorchServe's token auth: the platform authenticates callers (IAM,
+the cluster's ingress) and only it can reach the container's port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from archive_tools.inspect_cmd import scan, summarize
+from archive_tools.package import copy_path, human, progress_bar, publish, remove_path
+from handlers.errors import Inf2ServeError
+
+TARGETS = ("sagemaker", "kserve")
+SERVE_SCRIPT = """#!/bin/sh
+# SageMaker starts the container with the argument `serve`; run TorchServe in the foreground.
+set -e
+MODEL_DIR="${{SM_MODEL_DIR:-/opt/ml/model}}"
+PORT="${{SAGEMAKER_BIND_TO_PORT:-8080}}"
+WORK="$(mktemp -d)"  # /opt/ml/model is read-only: logs, pid and snapshots go here
+cd "$WORK"
+export LOG_LOCATION="$WORK/logs" METRICS_LOCATION="$WORK/logs"
+sed "s#^inference_address=.*#inference_address=http://0.0.0.0:$PORT#" \\
+    "$MODEL_DIR/config.properties" > config.properties
+exec torchserve --start --foreground --ncs --ts-config config.properties \\
+    --model-store "$MODEL_DIR" --models {spec}
+"""
+
+
+def _props(props: dict[str, str]) -> str:
+    return "".join(f"{k}={v}\n" for k, v in props.items())
+
+
+def sagemaker_properties(name: str, archive: str, cfg: dict) -> str:
+    return _props({
+        "inference_address": "http://0.0.0.0:8080",
+        "management_address": "http://127.0.0.1:8081",
+        "metrics_address": "http://127.0.0.1:8082",
+        "model_store": "/opt/ml/model",
+        "load_models": f"{name}={archive}",
+        "disable_token_authorization": "true",
+        "enable_model_api": "false",
+        "install_py_dep_per_model": "false",
+        "default_response_timeout": str(cfg["responseTimeout"]),
+        "enable_envvars_config": "false",
+    })
+
+
+def kserve_properties(name: str, archive: str, cfg: dict) -> str:
+    snapshot = {"name": "startup.cfg", "modelCount": 1, "models": {name: {"1.0": {
+        "defaultVersion": True, "marName": archive, "minWorkers": cfg["minWorkers"],
+        "maxWorkers": cfg["maxWorkers"], "batchSize": cfg["batchSize"],
+        "maxBatchDelay": cfg["maxBatchDelay"], "responseTimeout": cfg["responseTimeout"]}}}}
+    return _props({
+        "inference_address": "http://0.0.0.0:8085",
+        "management_address": "http://127.0.0.1:8081",
+        "metrics_address": "http://0.0.0.0:8082",
+        "grpc_inference_port": "7070",
+        "grpc_management_port": "7071",
+        "enable_metrics_api": "true",
+        "metrics_mode": "prometheus",
+        "number_of_netty_threads": "4",
+        "job_queue_size": str(cfg["handler"]["max_queue"]),
+        "enable_envvars_config": "true",
+        "install_py_dep_per_model": "false",
+        "disable_token_authorization": "true",
+        "model_store": "/mnt/models/model-store",
+        "model_snapshot": json.dumps(snapshot, separators=(",", ":")),
+    })
+
+
+def next_steps(target: str, name: str, out: Path, cfg: dict) -> str:
+    neuron = cfg["handler"]["backend"] == "neuron"
+    if target == "sagemaker":
+        return f"""next:
+  aws s3 sync {out} s3://BUCKET/{name}/
+  # image: a TorchServe image with torch + transformers (for neuron: the PyTorch Neuron DLC),
+  # entry point /opt/ml/model/serve, e.g. a Dockerfile with:
+  #   ENTRYPOINT ["/bin/sh", "/opt/ml/model/serve"]
+  aws sagemaker create-model --model-name {name} --execution-role-arn ROLE_ARN \\
+    --primary-container '{{"Image": "IMAGE_URI", "ModelDataSource": {{"S3DataSource": {{
+      "S3Uri": "s3://BUCKET/{name}/", "S3DataType": "S3Prefix", "CompressionType": "None"}}}}}}'
+  # then create-endpoint-config (instance type{' ml.inf2.xlarge' if neuron else ''}) and
+  # create-endpoint; stream with invoke-endpoint-with-response-stream"""
+    limits = "          aws.amazon.com/neuron: 1\n" if neuron else "          cpu: \"2\"\n"
+    return f"""next:
+  aws s3 sync {out} s3://BUCKET/{name}/
+  kubectl apply -f - <<'EOF'
+apiVersion: serving.kserve.io/v1beta1
+kind: InferenceService
+metadata:
+  name: {name}
+spec:
+  predictor:
+    pytorch:
+      storageUri: s3://BUCKET/{name}
+      resources:
+        limits:
+{limits}EOF"""
+
+
+def export(archive: Path, out: Path, target: str, *, force: bool = False, link: bool = False,
+           show_progress: bool = False) -> tuple[Path, str]:
+    """Write the platform layout to `out` (atomically); returns (out, next steps)."""
+    archive, out = Path(archive), Path(out)
+    if target not in TARGETS:
+        raise Inf2ServeError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
+    if not archive.exists():
+        raise Inf2ServeError(f"ARCHIVE {archive}: no such file or directory")
+    summary = summarize(scan(archive))  # validates manifest and config first
+    name = summary["manifest"]["model"]["modelName"]
+    cfg = summary["config"]
+    if out.exists() and not force:
+        raise Inf2ServeError(f"OUT {out} exists; pass --force to replace it")
+    if archive.resolve() == out.resolve() or out.resolve() in archive.resolve().parents:
+        raise Inf2ServeError(f"OUT {out}: must not contain ARCHIVE; pick another directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        built = work / out.name
+        store = built if target == "sagemaker" else built / "model-store"
+        store.mkdir(parents=True)
+        files = [p for p in sorted(archive.rglob("*")) if p.is_file()] if archive.is_dir() \
+            else [archive]
+        base = archive.parent
+        with progress_bar(sum(f.stat().st_size for f in files), f"exporting {name}",
+                          show_progress) as advance:
+            for f in files:
+                dst = store / f.relative_to(base)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                copy_path(f, dst, advance, link=link)
+        if target == "sagemaker":
+            (built / "config.properties").write_text(
+                sagemaker_properties(name, archive.name, cfg))
+            serve = built / "serve"
+            serve.write_text(SERVE_SCRIPT.format(spec=f"{name}={archive.name}"))
+            serve.chmod(0o755)
+        else:
+            (built / "config").mkdir()
+            (built / "config" / "config.properties").write_text(
+                kserve_properties(name, archive.name, cfg))
+        for d in [built, *(p for p in built.rglob("*") if p.is_dir())]:
+            d.chmod(0o755)
+        publish(built, out, trash=work)
+    finally:
+        remove_path(work)
+    return out, next_steps(target, name, out, cfg)
+
+
+def _run(args: argparse.Namespace) -> int:
+    out, steps = export(Path(args.archive), Path(args.out), args.target, force=args.force,
+                        link=args.link, show_progress=True)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    print(f"exported for {args.target}: {out} ({human(size)})")
+    print(steps)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="lay an archive out for SageMaker or KServe and print the next step",
+        description="Write the folder a platform loads: sagemaker (uncompressed model data for "
+        "an S3 prefix: archive + config.properties + serve) or kserve (config/config.properties "
+        "+ model-store/).\n\nexamples:\n"
+        "  inf2serve export --target sagemaker model_store/llama deploy/sagemaker-llama\n"
+        "  inf2serve export --target kserve model_store/tiny-llama.mar deploy/kserve-tiny",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, choices=TARGETS)
+    p.add_argument("archive", metavar="ARCHIVE", help=".mar, .tar.gz or archive folder")
+    p.add_argument("out", metavar="OUT", help="output directory (written atomically)")
+    p.add_argument("--link", action="store_true",
+                   help="hard-link archive files instead of copying (same filesystem)")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT")
+    p.set_defaults(func=_run)

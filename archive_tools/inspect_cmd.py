@@ -1,0 +1,232 @@
+"""`inf2serve inspect`: what is inside an archive, without extracting it.
+
+One pass over the archive (.mar zip, .tar.gz or folder) collects every member's
+size plus the few small files that matter: the manifest, model-config.yaml,
+config.json files, safetensors headers (shapes and dtypes, not tensors) and
+compile-cache metadata.json. A .tar.gz is read as a stream once, never seeked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tarfile
+import zipfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from archive_tools.package import human
+from handlers.config import parse_config
+from handlers.errors import Inf2ServeError
+
+MAX_HEADER = 100 << 20  # a safetensors header above this is not one
+SMALL = {"MAR-INF/MANIFEST.json", "model-config.yaml", "requirements.txt"}
+
+
+@dataclass
+class Snapshot:
+    """Member sizes plus the contents (or headers) of the members we care about."""
+
+    sizes: dict[str, int] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+def _wanted(name: str) -> str | None:
+    """'file' for small files read whole, 'header' for safetensors, None to skip."""
+    if name.startswith("runtime/"):
+        return None
+    if name in SMALL or (name.endswith("/config.json") and name.count("/") == 1):
+        return "file"
+    if name.endswith("/metadata.json") and name.count("/") == 2:
+        return "file"
+    if name.endswith(".safetensors"):
+        return "header"
+    return None
+
+
+def _read(f: IO[bytes], how: str) -> bytes:
+    if how == "file":
+        return f.read(MAX_HEADER)
+    head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+    return f.read(n) if 0 < n <= MAX_HEADER else b"{}"
+
+
+def _strip(name: str) -> str:
+    return name.split("/", 1)[1] if "/" in name else name
+
+
+def scan(path: Path) -> Snapshot:
+    """Read an archive once; tar.gz members are nested under <name>/ (as model_archiver does)."""
+    snap = Snapshot()
+    if path.is_dir():
+        for p in sorted(path.rglob("*")):
+            if p.is_file():
+                name = p.relative_to(path).as_posix()
+                snap.sizes[name] = p.stat().st_size
+                if how := _wanted(name):
+                    with open(p, "rb") as f:
+                        snap.files[name] = _read(f, how)
+    elif zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if info.is_dir():
+                    continue
+                snap.sizes[info.filename] = info.file_size
+                if how := _wanted(info.filename):
+                    with zf.open(info) as f:
+                        snap.files[info.filename] = _read(f, how)
+    elif path.name.endswith((".tar.gz", ".tgz")):
+        try:
+            with tarfile.open(path, "r|gz") as tar:  # stream mode: one forward pass
+                for m in tar:
+                    if not m.isfile():
+                        continue
+                    name = _strip(m.name) if "MAR-INF" not in m.name.split("/")[0] else m.name
+                    snap.sizes[name] = m.size
+                    if how := _wanted(name):
+                        snap.files[name] = _read(tar.extractfile(m), how)
+        except (tarfile.TarError, OSError) as exc:
+            raise Inf2ServeError(f"ARCHIVE {path}: not a readable .tar.gz ({exc})") from exc
+    else:
+        raise Inf2ServeError(f"ARCHIVE {path}: expected a .mar, a .tar.gz or an archive folder")
+    if "MAR-INF/MANIFEST.json" not in snap.sizes:
+        raise Inf2ServeError(f"ARCHIVE {path}: no MAR-INF/MANIFEST.json; not a TorchServe archive "
+                             "(build one with `inf2serve package`)")
+    return snap
+
+
+def summarize(snap: Snapshot) -> dict[str, Any]:
+    """Plain data for the tables (and --json): manifest, config, checkpoint, cache."""
+    manifest = json.loads(snap.files["MAR-INF/MANIFEST.json"])
+    raw = yaml.safe_load(snap.files.get("model-config.yaml", b"")) or {}
+    config = parse_config(raw)  # raises ConfigError naming the closest valid key
+    ckpt = config.handler.checkpoint.rstrip("/")
+    cfg_json = json.loads(snap.files.get(f"{ckpt}/config.json", b"{}"))
+    params, dtypes = 0, Counter()
+    for name, header in snap.files.items():
+        if name.startswith(f"{ckpt}/") and name.endswith(".safetensors"):
+            for key, t in json.loads(header).items():
+                if key != "__metadata__":
+                    params += math.prod(t["shape"])
+                    dtypes[t["dtype"]] += math.prod(t["shape"])
+    split = [n for n in snap.sizes if n.startswith(f"{ckpt}/pytorch_model.bin/")]
+    cache_dir = config.handler.neuron.cache_dir.rstrip("/")
+    entries = []
+    for name, data in sorted(snap.files.items()):
+        if name.startswith(f"{cache_dir}/") and name.endswith("/metadata.json"):
+            meta = json.loads(data)
+            inputs = meta.get("inputs", {})
+            entries.append({
+                "entry": name.split("/")[1], "tp_degree": inputs.get("tp_degree"),
+                "batch_size": inputs.get("batch_size"), "n_positions": inputs.get("n_positions"),
+                "amp": inputs.get("amp"), "sdk": inputs.get("sdk", {}),
+                "size": sum(int(f.get("size", 0)) for f in meta.get("files", {}).values())})
+    return {
+        "manifest": manifest,
+        "config": config.to_yaml_dict(),
+        "checkpoint": {
+            "dir": ckpt, "architecture": (cfg_json.get("architectures") or ["?"])[0],
+            "model_type": cfg_json.get("model_type", "?"),
+            "layers": cfg_json.get("num_hidden_layers"), "hidden": cfg_json.get("hidden_size"),
+            "vocab": cfg_json.get("vocab_size"), "config_dtype": cfg_json.get("dtype",
+                                                                               cfg_json.get("torch_dtype")),
+            "params": params if dtypes else None,
+            "dtypes": dict(dtypes), "legacy_split_files": len(split),
+            "bytes": sum(s for n, s in snap.sizes.items() if n.startswith(f"{ckpt}/"))},
+        "cache": entries,
+        "files": snap.sizes,
+        "total_bytes": sum(snap.sizes.values()),
+    }
+
+
+def _render(path: Path, s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(soft_wrap=True)
+
+    def table(title: str, rows: list[tuple[str, Any]]) -> None:
+        t = Table(title=title, show_header=False, title_justify="left")
+        t.add_column(style="bold", no_wrap=True)
+        t.add_column(overflow="fold")
+        for k, v in rows:
+            t.add_row(k, "" if v is None else str(v))
+        console.print(t)
+
+    m = s["manifest"]
+    table(f"{path} ({len(s['files'])} files, {human(s['total_bytes'])})",
+          [("model", m.get("model", {}).get("modelName")),
+           ("version", m.get("model", {}).get("modelVersion")),
+           ("handler", m.get("model", {}).get("handler")),
+           ("created", m.get("createdOn")), ("archiver", m.get("archiverVersion"))])
+    c = s["config"]
+    h = c["handler"]
+    table("model-config.yaml (valid)", [
+        ("backend", h["backend"]), ("batching", h["batching"]), ("batch_size", h["batch_size"]),
+        ("max_length", h["max_length"]), ("dtype", h["dtype"]),
+        ("workers", f"{c['minWorkers']}..{c['maxWorkers']}"), ("batchSize", c["batchSize"]),
+        ("deviceType", c["deviceType"]), ("neuron", f"tp_degree={h['neuron']['tp_degree']} "
+                                                   f"amp={h['neuron']['amp']}")])
+    k = s["checkpoint"]
+    params = f"{k['params'] / 1e6:.2f}M" if k["params"] is not None else "n/a"
+    dtypes = ", ".join(k["dtypes"]) or ("torch.save files" if k["legacy_split_files"] else "?")
+    table(f"checkpoint {k['dir']}/", [
+        ("architecture", f"{k['architecture']} ({k['model_type']}, {k['layers']} layers, "
+                         f"hidden {k['hidden']}, vocab {k['vocab']})"),
+        ("params", params), ("dtype", f"{dtypes} (config.json: {k['config_dtype']})"),
+        ("size", human(k["bytes"])),
+        ("layout", f"legacy split, {k['legacy_split_files']} files" if k["legacy_split_files"]
+         else "safetensors")])
+    t = Table(title="Neuron compile cache", title_justify="left")
+    for col in ("entry", "tp", "batch", "n_pos", "amp", "SDK versions", "size"):
+        t.add_column(col, overflow="fold")
+    for e in s["cache"]:
+        sdk = ", ".join(f"{d} {v}" for d, v in e["sdk"].items())
+        t.add_row(e["entry"], str(e["tp_degree"]), str(e["batch_size"]), str(e["n_positions"]),
+                  str(e["amp"]), sdk, human(e["size"]))
+    if s["cache"]:
+        console.print(t)
+    else:
+        console.print("Neuron compile cache: none (neuron workers compile at start-up; "
+                      "see `inf2serve compile`)")
+    f = Table(title="files", title_justify="left")
+    f.add_column("path", overflow="fold")
+    f.add_column("size", justify="right")
+    for name, size in s["files"].items():
+        if not name.startswith("runtime/"):
+            f.add_row(name, human(size))
+    runtime = [n for n in s["files"] if n.startswith("runtime/")]
+    f.add_row(f"runtime/ ({len(runtime)} files)",
+              human(sum(s["files"][n] for n in runtime)))
+    console.print(f)
+
+
+def _run(args: argparse.Namespace) -> int:
+    path = Path(args.archive)
+    if not path.exists():
+        raise Inf2ServeError(f"ARCHIVE {path}: no such file or directory")
+    summary = summarize(scan(path))
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        _render(path, summary)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect", help="show an archive's manifest, config, checkpoint and compile cache",
+        description="Show what an archive holds (manifest, validated config, checkpoint "
+        "architecture/params/dtype/size, Neuron cache entries and their SDK versions) without "
+        "extracting it.\n\nexamples:\n  inf2serve inspect model_store/tiny-llama.mar\n"
+        "  inf2serve inspect model_store/llama --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("archive", metavar="ARCHIVE", help=".mar, .tar.gz or archive folder")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_run)

@@ -1,0 +1,213 @@
+"""`inf2serve prepare`: a Hugging Face checkpoint into a serving checkpoint.
+
+A serving checkpoint is what `package` puts under the archive's model/: weights
+cast to the configured amp dtype (safetensors, or the legacy split layout older
+transformers-neuronx loads), config.json with the new dtype, generation_config.json
+and the tokenizer files. Tensors are streamed one source shard at a time
+(safetensors `safe_open`, or mmap'd torch.load for .bin), so a 70B checkpoint
+never has to fit in memory as a model. The output is written to a work dir next
+to OUT and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from archive_tools.package import human, progress_bar, publish, remove_path
+from handlers.config import load_config
+from handlers.errors import Inf2ServeError
+
+AMP_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+DTYPE_TO_AMP = {v: k for k, v in AMP_DTYPES.items()}
+# tokenizer and generation files a serving checkpoint carries (never weights or README/.git)
+META_GLOBS = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+              "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.model",
+              "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
+SPLIT_DIR = "pytorch_model.bin"  # transformers-neuronx save_pretrained_split layout
+KEY_TO_FILENAME = "key_to_filename.json"
+
+
+def source_shards(src: Path) -> list[Path]:
+    """Weight files of a HF checkpoint, preferring safetensors (as transformers does)."""
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (src / index).is_file():
+            weight_map = json.loads((src / index).read_text())["weight_map"]
+            return [src / name for name in dict.fromkeys(weight_map.values())]
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards and (src / "pytorch_model.bin").is_file():
+        shards = [src / "pytorch_model.bin"]
+    if not shards:
+        raise Inf2ServeError(f"{src}: no *.safetensors, pytorch_model.bin or shard index; pass a "
+                             "Hugging Face checkpoint directory (save_pretrained output)")
+    return shards
+
+
+def iter_tensors(shard: Path) -> Iterator[tuple[str, object]]:
+    """(key, tensor) pairs of one shard, read lazily where the format allows."""
+    import torch
+
+    if shard.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+    else:
+        yield from torch.load(shard, map_location="cpu", mmap=True, weights_only=True).items()
+
+
+def cast(tensor, dtype):
+    """Floating tensors to `dtype` (None keeps them); integer buffers are left alone."""
+    if dtype is None or not tensor.is_floating_point():
+        return tensor.contiguous()
+    return tensor.to(dtype).contiguous()
+
+
+def _check_src(src: Path) -> None:
+    if not src.is_dir():
+        raise Inf2ServeError(f"SRC {src}: no such directory")
+    if not (src / "config.json").is_file():
+        raise Inf2ServeError(f"SRC {src}: no config.json; pass a Hugging Face checkpoint "
+                             "directory (the output of save_pretrained)")
+    if not any((src / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise Inf2ServeError(f"SRC {src}: no tokenizer files (tokenizer.json, tokenizer.model or "
+                             "vocab.json); save the tokenizer into the checkpoint directory")
+
+
+def _write_safetensors(shards: list[Path], out: Path, dtype, advance) -> None:
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    names = [s.name if s.suffix == ".safetensors" else
+             (f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
+              else "model.safetensors") for i, s in enumerate(shards)]
+    for shard, name in zip(shards, names, strict=True):
+        tensors, seen = {}, set()
+        for key, t in iter_tensors(shard):
+            t = cast(t, dtype)
+            if t.untyped_storage().data_ptr() in seen:  # tied weights share storage in .bin
+                t = t.clone()
+            seen.add(t.untyped_storage().data_ptr())
+            tensors[key] = t
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        advance(shard.stat().st_size)
+        del tensors
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _write_split(shards: list[Path], out: Path, dtype, advance) -> None:
+    """One torch.save file per key plus key_to_filename.json, as save_pretrained_split wrote."""
+    import re
+
+    import torch
+
+    split = out / SPLIT_DIR
+    split.mkdir()
+    key_to_filename: dict[str, str] = {}
+    for shard in shards:
+        for key, t in iter_tensors(shard):
+            name = re.sub(r"(?u)[^-\w.]", "", key.strip().replace(" ", "_"))
+            key_to_filename[key] = f"p{len(key_to_filename)}.{name}"
+            # clone: torch.save writes a view's whole storage otherwise
+            torch.save(cast(t, dtype).clone(), split / key_to_filename[key])
+        advance(shard.stat().st_size)
+    (split / KEY_TO_FILENAME).write_text(json.dumps(key_to_filename, indent=2))
+
+
+def _write_meta(src: Path, out: Path, amp: str | None) -> None:
+    for pattern in META_GLOBS:
+        for path in src.glob(pattern):
+            if path.is_file() and not (out / path.name).exists():
+                shutil.copyfile(path, out / path.name)
+    config = json.loads((out / "config.json").read_text())
+    if amp is not None:
+        config.pop("torch_dtype", None)  # transformers < 5 name; 5.x writes "dtype"
+        config["dtype"] = AMP_DTYPES[amp]
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if not (out / "generation_config.json").exists():
+        from transformers import GenerationConfig, PretrainedConfig
+
+        GenerationConfig.from_model_config(PretrainedConfig.from_dict(config)).to_json_file(
+            out / "generation_config.json")
+
+
+def amp_from_config(config_path: Path) -> str:
+    """The amp a model-config.yaml asks for: neuron.amp, or handler.dtype for torch."""
+    cfg = load_config(config_path)
+    if cfg.handler.backend == "neuron":
+        return cfg.handler.neuron.amp
+    return DTYPE_TO_AMP[cfg.handler.dtype]
+
+
+def prepare(src: Path, out: Path, *, amp: str | None = None, legacy_split: bool = False,
+            force: bool = False, show_progress: bool = False) -> Path:
+    """Write the serving checkpoint of `src` to `out` (atomically); returns `out`."""
+    import torch
+
+    src, out = Path(src), Path(out)
+    _check_src(src)
+    if amp is not None and amp not in AMP_DTYPES:
+        raise Inf2ServeError(f"--amp {amp!r}: choose one of {', '.join(AMP_DTYPES)}")
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise Inf2ServeError(f"OUT {out}: must not be SRC or inside it; pick another directory")
+    if out.exists() and not force:
+        raise Inf2ServeError(f"OUT {out} exists; pass --force to replace it")
+    shards = source_shards(src)
+    dtype = getattr(torch, AMP_DTYPES[amp]) if amp else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        built = work / out.name
+        built.mkdir()
+        total = sum(s.stat().st_size for s in shards)
+        with progress_bar(total, f"preparing {out.name}", show_progress) as advance:
+            writer = _write_split if legacy_split else _write_safetensors
+            writer(shards, built, dtype, advance)
+        _write_meta(src, built, amp)
+        for path in [built, *built.rglob("*")]:  # safetensors writes 0600; serving may not be us
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        publish(built, out, trash=work)
+    finally:
+        remove_path(work)
+    return out
+
+
+def _run(args: argparse.Namespace) -> int:
+    amp = args.amp or (amp_from_config(Path(args.config)) if args.config else None)
+    out = prepare(Path(args.src), Path(args.out), amp=amp, legacy_split=args.legacy_split,
+                  force=args.force, show_progress=True)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    layout = "legacy split (pytorch_model.bin/)" if args.legacy_split else "safetensors"
+    print(f"prepared {out} ({layout}, {amp or 'source dtype'}, {human(size)})")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare", help="turn a Hugging Face checkpoint into a serving checkpoint",
+        description="Write a serving checkpoint: weights cast to the amp dtype (safetensors, or "
+        "the legacy split layout of older transformers-neuronx), config.json, "
+        "generation_config.json and tokenizer files. Tensors are streamed, not loaded as a model."
+        "\n\nexamples:\n  inf2serve prepare ~/hf/Llama-2-7b-hf work/llama-7b --amp bf16\n"
+        "  inf2serve prepare ~/hf/Llama-2-7b-hf work/llama-7b-split --legacy-split "
+        "--config model_configs/llama-2-7b-inf2.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="Hugging Face checkpoint directory")
+    p.add_argument("out", help="output directory (written atomically)")
+    p.add_argument("--amp", choices=list(AMP_DTYPES),
+                   help="cast floating weights to this dtype (default: --config's, else keep)")
+    p.add_argument("--config", help="model-config.yaml to take the amp dtype from")
+    p.add_argument("--legacy-split", action="store_true",
+                   help="pytorch_model.bin/ with one file per key (save_pretrained_split layout)")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT")
+    p.set_defaults(func=_run)

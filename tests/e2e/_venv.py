@@ -1,0 +1,109 @@
+"""A virtualenv with torchserve, torch and transformers but not inf2serve.
+
+It proves an archive is self-contained: the worker imports our runtime from the
+archive (runtime/ inside it), never from an installed toolkit.
+
+Default ("link", about a second): `python -m venv --without-pip`, then a .pth in its
+site-packages pointing at ONE directory of symlinks to exactly the distributions
+torchserve, torch, transformers, tokenizers, safetensors and pyyaml need (their
+requirement closure, resolved from this interpreter's installed metadata, dist-info
+included so version checks work). inf2serve and everything else are absent.
+INF2SERVE_E2E_VENV=pip instead pip-installs the same pins (slow; from the local
+wheel cache/index the machine's pip config points at, CPU torch only).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+ROOTS = ("torchserve", "torch", "transformers", "tokenizers", "safetensors", "pyyaml")
+PIP_PINS = ("torch==2.13.0+cpu", "transformers==5.23.0", "tokenizers==0.23.3", "safetensors",
+            "torchserve==0.12.0", "pyyaml")
+EXCLUDED = {"inf2serve", "torch-model-archiver"}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_closure(roots: tuple[str, ...] = ROOTS) -> list[metadata.Distribution]:
+    """Installed distributions needed by `roots` (markers evaluated, extras ignored)."""
+    from packaging.requirements import Requirement
+
+    installed = {_norm(d.metadata["Name"]): d for d in metadata.distributions()}
+    todo, seen = [_norm(r) for r in roots], {}
+    while todo:
+        name = todo.pop()
+        if name in seen or name in EXCLUDED or name not in installed:
+            continue
+        dist = seen[name] = installed[name]
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(_norm(req.name))
+    return list(seen.values())
+
+
+def _top_levels(dist: metadata.Distribution) -> set[str]:
+    """Top-level names a distribution installs into site-packages (packages, modules, dist-info)."""
+    out = set()
+    for f in dist.files or []:
+        first = f.parts[0]
+        if first in ("..", "__pycache__") or first.endswith(".pth"):
+            continue
+        out.add(first)
+    return out
+
+
+def make_link_venv(dest: Path) -> Path:
+    """Venv whose only third-party packages are symlinks to the closure; returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
+    py = dest / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], check=True, capture_output=True,
+                               text=True).stdout.strip())
+    deps = dest / "deps"
+    deps.mkdir()
+    for dist in requirement_closure():
+        root = Path(dist.locate_file(""))
+        for name in _top_levels(dist):
+            src = root / name
+            if src.exists() and not (deps / name).exists():
+                (deps / name).symlink_to(src)
+    (site / "e2e_deps.pth").write_text(f"{deps}\n")
+    _console_script(dest, "torchserve", "ts.model_server", "start")
+    return py
+
+
+def _console_script(venv: Path, name: str, module: str, func: str) -> None:
+    script = venv / "bin" / name
+    script.write_text(f"#!{venv / 'bin' / 'python'}\nimport sys\nfrom {module} import {func}\n"
+                      f"sys.exit({func}())\n")
+    script.chmod(0o755)
+
+
+def make_pip_venv(dest: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", str(dest)], check=True)
+    py = dest / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--only-binary=:all:", *PIP_PINS],
+                   check=True)
+    return py
+
+
+def make_serving_venv(dest: Path) -> Path:
+    """The serving venv's python (kind chosen by $INF2SERVE_E2E_VENV: link or pip)."""
+    kind = os.environ.get("INF2SERVE_E2E_VENV", "link")
+    return make_pip_venv(dest) if kind == "pip" else make_link_venv(dest)
+
+
+def importable(python: Path, module: str, cwd: Path) -> bool:
+    """Whether `module` imports in that interpreter, run from a neutral cwd, no PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    r = subprocess.run([str(python), "-c", f"import {module}"], cwd=cwd, env=env,
+                       capture_output=True)
+    return r.returncode == 0

@@ -1,0 +1,78 @@
+"""`inf2serve compile`: clear one-line failures here (no Neuron), and the call it makes there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from archive_tools import compile_cmd
+from archive_tools.cli import main
+from archive_tools.package import package
+
+CONFIG = Path(__file__).resolve().parents[2] / "model_configs" / "tiny-llama-cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def neuron_archive(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("neuron")
+    cfg = tmp / "neuron.yaml"
+    cfg.write_text(CONFIG.read_text().replace("backend: torch", "backend: neuron")
+                   .replace("deviceType: cpu", "deviceType: neuron"))
+    return package(cfg, tiny_checkpoint, "tiny-neuron", "no-archive", tmp / "store")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_without_neuron_says_so_with_remedy(neuron_archive: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(compile_cmd, "neuron_available", lambda: False)
+    code, _, err = run(capsys, "compile", str(neuron_archive))
+    assert code == 2 and err.count("\n") == 1
+    assert "transformers-neuronx is not installed" in err and "pip install" in err
+    assert not (neuron_archive / "neuron_cache").exists()
+
+
+def test_this_machine_has_no_neuron(neuron_archive: Path, capsys) -> None:
+    """Real detection (importlib.util.find_spec), not the monkeypatched one above."""
+    if compile_cmd.neuron_available():
+        pytest.skip("transformers_neuronx is installed here")
+    code, _, err = run(capsys, "compile", str(neuron_archive))
+    assert code == 2 and "transformers-neuronx is not installed" in err
+
+
+def test_dry_run_needs_no_sdk(neuron_archive: Path, capsys) -> None:
+    code, out, _ = run(capsys, "compile", str(neuron_archive), "--dry-run")
+    assert code == 0 and "tp_degree=2" in out and "neuron_cache" in out
+
+
+def test_with_neuron_goes_through_the_backend(neuron_archive: Path, capsys, monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(compile_cmd, "neuron_available", lambda: True)
+    monkeypatch.setattr(compile_cmd, "compile_archive",
+                        lambda archive, config: calls.append((archive, config)) or "compiled x")
+    code, out, _ = run(capsys, "compile", str(neuron_archive))
+    assert code == 0 and "compiled x" in out
+    assert calls[0][0] == neuron_archive and calls[0][1].handler.backend == "neuron"
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "no such file or directory"),
+    ("file", "needs a folder; repackage with `inf2serve package --format no-archive`"),
+    ("no_manifest", "no MAR-INF/MANIFEST.json"),
+    ("torch", "handler.backend is 'torch'"),
+])
+def test_bad_input_is_one_line_exit_2(tiny_checkpoint: Path, tmp_path: Path, capsys, case: str,
+                                      expected: str) -> None:
+    path = tmp_path / "x"
+    if case == "file":
+        path = package(CONFIG, tiny_checkpoint, "tiny", "mar", tmp_path / "store")
+    elif case == "no_manifest":
+        path.mkdir()
+    elif case == "torch":
+        path = package(CONFIG, tiny_checkpoint, "tiny", "no-archive", tmp_path / "store")
+    code, _, err = run(capsys, "compile", str(path))
+    assert code == 2 and err.startswith("error: ") and expected in err and err.count("\n") == 1
