@@ -1,0 +1,164 @@
+"""`inf2serve bench URL`: load-test a streaming TorchServe endpoint and write a report.
+
+Thin wiring over `loadgen` (sending, timing), `bench_stats` (numbers) and
+`bench_report` (files); `make bench` calls those directly to compare setups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from archive_tools import bench_report, loadgen
+from archive_tools.bench_stats import BenchError, Scenario, ScenarioResult
+
+DEFAULT_REQUESTS = 32
+
+
+def _csv(kind: Callable[[str], float]) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                             "numbers, e.g. 1,5,10") from None
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: give one or more numbers > 0")
+        return values
+    return parse
+
+
+def build_scenarios(mode: str, concurrency: list[int], rates: list[float],
+                    requests: int | None, duration_s: float | None) -> list[Scenario]:
+    """The scenarios of a --mode, in run order: sync, then the concurrency, then the rate sweep."""
+    bound = {"requests": requests, "duration_s": duration_s}
+    out = []
+    if mode in ("sync", "all"):
+        out.append(Scenario("sync", 1, **bound))
+    if mode in ("concurrency", "all"):
+        out += [Scenario("concurrency", c, **bound) for c in concurrency]
+    if mode in ("rate", "all"):
+        out += [Scenario("rate", r, **bound) for r in rates]
+    return out
+
+
+def check_reachable(result: ScenarioResult, url: str) -> None:
+    """Stop after the first scenario when nothing worked for a reason no retry will fix."""
+    s = result.summary
+    if s.ok or not s.requests:
+        return
+    kinds = set(s.errors_by_kind)
+    fixes = {"connect": "start the server (inf2serve serve) or fix the host/port",
+             "401": "pass --token-file path/to/key_file.json (or --token)",
+             "403": "pass the inference key, not the management key",
+             "404": "check the model name in the URL (curl http://HOST:8081/models)"}
+    if len(kinds) == 1 and (kind := kinds.pop()) in fixes:
+        example = next(r.error for r in result.records if r.error)
+        raise BenchError(f"every request to {url} failed with {kind} ({example}); {fixes[kind]}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not args.debug:  # httpx logs every request at INFO, which would bury the progress bar
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    url = loadgen.check_url(args.url)
+    token = loadgen.read_token(args.token, args.token_file)
+    if not args.timeout > 0:
+        raise BenchError(f"--timeout {args.timeout} must be > 0 seconds")
+    if args.duration is not None:
+        requests = None
+    else:
+        requests = DEFAULT_REQUESTS if args.requests is None else args.requests
+    scenarios = build_scenarios(args.mode, args.concurrency, args.rates, requests, args.duration)
+    if args.prompts_file:
+        prompts = loadgen.load_prompts(args.prompts_file)
+    else:
+        prompts = loadgen.build_prompts(requests or 256, args.prompt_tokens, args.seed)
+    params = loadgen.GenParams(args.max_new_tokens, args.min_new_tokens, args.temperature,
+                               args.seed)
+    results: bench_report.Results = {}
+    if args.append and (args.out / bench_report.JSON_NAME).exists():
+        results = bench_report.load_report(args.out / bench_report.JSON_NAME)
+    results[args.label] = []
+
+    console = Console()
+    columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[errors]} errors"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        for scenario in scenarios:
+            task = progress.add_task(scenario.name, errors=0,
+                                     total=loadgen.expected_requests(scenario, args.seed))
+            errors = 0
+
+            def on_record(rec, task=task) -> None:
+                nonlocal errors
+                errors += not rec.ok
+                progress.update(task, advance=1, errors=errors)
+
+            result = loadgen.run_scenario(
+                url, token, scenario, prompts, params, label=args.label, timeout_s=args.timeout,
+                price_per_hour=args.price_per_hour, on_record=on_record)
+            progress.update(task, total=len(result.records), completed=len(result.records))
+            if not results[args.label]:
+                check_reachable(result, url)
+            results[args.label].append(result)
+
+    meta = {"url": url, "label": args.label, "mode": args.mode, "prompt_tokens":
+            None if args.prompts_file else args.prompt_tokens, "prompts_file": args.prompts_file,
+            "max_new_tokens": args.max_new_tokens, "min_new_tokens": args.min_new_tokens,
+            "temperature": args.temperature, "seed": args.seed,
+            "price_per_hour": args.price_per_hour, "timeout_s": args.timeout}
+    paths = bench_report.write_report(results, args.out, meta)
+    bench_report.print_summary(results, console)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="load-test a streaming endpoint: TTFT, ITL, E2E, throughput, cost",
+        description="Load-test a TorchServe streaming endpoint (NDJSON) and write bench.json, "
+        "bench.md and PNG plots to --out.\n\nmodes: sync (one at a time), concurrency "
+        "(closed loop, N in flight), rate (open loop, Poisson arrivals), all.\n\nexamples:\n"
+        "  inf2serve bench http://127.0.0.1:8080/predictions/llama --token-file key_file.json\n"
+        "  inf2serve bench URL --mode concurrency --concurrency 1,4,16 --requests 64\n"
+        "  inf2serve bench URL --mode rate --rates 0.5,1,2 --duration 60 "
+        "--price-per-hour 0.76 --label inf2-continuous --out bench/results --append",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("url", help="inference URL, e.g. http://127.0.0.1:8080/predictions/NAME")
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument("--token", help="inference token (Authorization: Bearer)")
+    auth.add_argument("--token-file", help="TorchServe key_file.json; its inference key is used")
+    p.add_argument("--mode", choices=("sync", "concurrency", "rate", "all"), default="all")
+    p.add_argument("--concurrency", type=_csv(int), default=[1, 5, 10, 20],
+                   help="closed-loop concurrency levels (default 1,5,10,20)")
+    p.add_argument("--rates", type=_csv(float), default=[0.5, 1.0, 2.0],
+                   help="Poisson arrival rates in requests/s (default 0.5,1,2)")
+    bound = p.add_mutually_exclusive_group()
+    bound.add_argument("--requests", type=int, help=f"requests per scenario "
+                       f"(default {DEFAULT_REQUESTS})")
+    bound.add_argument("--duration", type=float, help="seconds per scenario instead of a count")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt-tokens", type=int, default=30,
+                         help="generated prompts of about this many tokens (default 30)")
+    prompts.add_argument("--prompts-file", help="one prompt per line (or JSONL with \"prompt\")")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--min-new-tokens", type=int, default=0,
+                   help="suppress EOS until this many tokens, for equal-length outputs")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="prompts, arrivals and request seeds")
+    p.add_argument("--price-per-hour", type=float, help="instance USD/hour, for $/1M tokens")
+    p.add_argument("--timeout", type=float, default=loadgen.DEFAULT_TIMEOUT_S,
+                   help="seconds per request before it counts as a timeout error")
+    p.add_argument("--out", type=Path, default=Path("bench-results"),
+                   help="report directory (default bench-results)")
+    p.add_argument("--label", default="default", help="name of this setup in the report")
+    p.add_argument("--append", action="store_true",
+                   help="keep the other labels already in OUT/bench.json (compare setups)")
+    p.set_defaults(func=_run)

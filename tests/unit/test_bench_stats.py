@@ -1,0 +1,110 @@
+"""bench_stats: percentiles, summaries and scenario checks on known data."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from archive_tools.bench_stats import (
+    BenchError,
+    Dist,
+    RequestRecord,
+    Scenario,
+    ScenarioResult,
+    cost_per_million,
+    percentile,
+    summarize,
+)
+
+
+def test_percentile_known_values():
+    data = [float(x) for x in range(1, 11)]  # 1..10
+    assert percentile(data, 0) == 1.0
+    assert percentile(data, 50) == pytest.approx(5.5)
+    assert percentile(data, 90) == pytest.approx(9.1)
+    assert percentile(data, 99) == pytest.approx(9.91)
+    assert percentile(data, 100) == 10.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([], 50) is None
+    assert percentile([5.0, 1.0, 3.0], 50) == 3.0  # unsorted input
+
+
+def test_percentile_matches_statistics_inclusive_method():
+    rng = random.Random(7)
+    data = [rng.expovariate(1.0) for _ in range(101)]
+    expected = statistics.quantiles(data, n=100, method="inclusive")
+    for q in (1, 25, 50, 90, 99):
+        assert percentile(data, q) == pytest.approx(expected[q - 1])
+
+
+def test_percentile_rejects_out_of_range_q():
+    with pytest.raises(ValueError, match="outside 0..100"):
+        percentile([1.0], 101)
+
+
+def _ok(i: int, ttft: float, e2e: float, itl: list[float], tokens: int) -> RequestRecord:
+    return RequestRecord(index=i, scheduled_s=0.0, start_s=0.0, status=200, ttft_s=ttft,
+                         e2e_s=e2e, itl_s=itl, prompt_tokens=30, completion_tokens=tokens,
+                         finish_reason="length")
+
+
+def _records() -> list[RequestRecord]:
+    return [
+        _ok(0, 0.1, 1.0, [0.1, 0.3], 10),
+        _ok(1, 0.3, 2.0, [0.2], 20),
+        RequestRecord(index=2, scheduled_s=0, start_s=0, status=503, e2e_s=0.01,
+                      error_kind="503", error="full"),
+        RequestRecord(index=3, scheduled_s=0, start_s=0, status=400, e2e_s=0.01,
+                      error_kind="400", error="bad"),
+    ]
+
+
+def test_summarize_known_data():
+    s = summarize(_records(), wall_s=2.0, price_per_hour=3.6)
+    assert (s.requests, s.ok, s.errors) == (4, 2, 2)
+    assert s.errors_by_kind == {"400": 1, "503": 1}
+    assert s.ttft.p50 == pytest.approx(0.2) and s.ttft.count == 2  # errors excluded
+    assert s.e2e.p90 == pytest.approx(1.9)
+    assert s.itl.count == 3 and s.itl.p50 == pytest.approx(0.2)  # pooled gaps 0.1, 0.2, 0.3
+    assert s.itl_request_mean.mean == pytest.approx(0.2)  # means 0.2 and 0.2
+    assert s.output_tokens == 30
+    assert s.output_tokens_per_s == pytest.approx(15.0)
+    assert s.requests_per_s == pytest.approx(1.0)
+    # 3.6 $/h = 0.001 $/s; 15 tok/s -> 1M tokens take 66,667 s -> $66.67
+    assert s.cost_per_1m_output_tokens == pytest.approx(66.6667, rel=1e-4)
+
+
+def test_summarize_all_failed_has_no_latencies():
+    s = summarize(_records()[2:], wall_s=1.0, price_per_hour=1.0)
+    assert s.ok == 0 and s.ttft == Dist(None, None, None, None, 0)
+    assert s.output_tokens_per_s == 0 and s.cost_per_1m_output_tokens is None
+
+
+def test_cost_per_million():
+    assert cost_per_million(100.0, None) is None
+    assert cost_per_million(0.0, 1.0) is None
+    assert cost_per_million(1e6 / 3600, 2.0) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "burst", "level": 1, "requests": 1}, "choose one of"),
+    ({"mode": "rate", "level": 0, "requests": 1}, "must be > 0"),
+    ({"mode": "concurrency", "level": 2.5, "requests": 1}, "whole number"),
+    ({"mode": "sync", "level": 1}, "exactly one"),
+    ({"mode": "sync", "level": 1, "requests": 3, "duration_s": 1.0}, "exactly one"),
+    ({"mode": "sync", "level": 1, "requests": 0}, ">= 1"),
+])
+def test_scenario_rejects_bad_shapes(kwargs, match):
+    with pytest.raises(BenchError, match=match):
+        Scenario(**kwargs)
+
+
+def test_scenario_names_and_roundtrip():
+    assert Scenario("sync", 1, requests=1).name == "sync"
+    assert Scenario("concurrency", 5, requests=1).name == "c=5"
+    assert Scenario("rate", 0.5, duration_s=3).name == "rate=0.5/s"
+    result = ScenarioResult("micro", Scenario("concurrency", 5, requests=4), _records(), 2.0, 3.6)
+    back = ScenarioResult.from_dict(result.to_dict())
+    assert back.summary == result.summary and back.scenario == result.scenario
