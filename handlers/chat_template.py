@@ -1,0 +1,99 @@
+"""Chat messages -> prompt text, rendered by transformers' own Jinja engine.
+
+Which template: `handler.chat_template` when set (a preset name, inline Jinja, or a
+file in the checkpoint directory, which is what gets packaged), else the
+tokenizer's own. Presets are data looked up by exact name. The rendered prompt
+is tokenized without a second BOS when the template already wrote one.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from handlers.errors import RequestError
+
+# Llama-2 chat: [INST] turns, optional <<SYS>> block folded into the first user turn,
+# roles must alternate user/assistant; each user turn opens with BOS, each answer ends with EOS.
+LLAMA2_CHAT = (
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] %}{% set turns = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant/user/... after an optional "
+    "system message') }}{% endif %}"
+    "{% if message['role'] == 'user' %}"
+    "{% if loop.first and system %}"
+    "{{ bos_token + '[INST] <<SYS>>\\n' + system.strip() + '\\n<</SYS>>\\n\\n' "
+    "+ message['content'].strip() + ' [/INST]' }}"
+    "{% else %}{{ bos_token + '[INST] ' + message['content'].strip() + ' [/INST]' }}{% endif %}"
+    "{% else %}{{ ' ' + message['content'].strip() + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+PRESETS: dict[str, str] = {"llama-2": LLAMA2_CHAT}
+
+
+def is_inline(setting: str) -> bool:
+    return "{{" in setting or "{%" in setting
+
+
+@functools.lru_cache(maxsize=16)
+def resolve_template(setting: str, checkpoint_dir: str) -> str:
+    """The configured template's Jinja source; '' when none is configured.
+
+    Raises FileNotFoundError naming the choices when `setting` is neither a preset,
+    inline Jinja, nor an existing file.
+    """
+    if not setting:
+        return ""
+    if setting in PRESETS:
+        return PRESETS[setting]
+    if is_inline(setting):
+        return setting
+    path = Path(setting) if Path(setting).is_absolute() else Path(checkpoint_dir) / setting
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"handler.chat_template: {setting!r} is not a preset ({', '.join(PRESETS)}), inline "
+            f"Jinja, or a file (looked for {path}); put the file in the checkpoint directory")
+    return path.read_text(encoding="utf-8")
+
+
+def template_for(tokenizer: Any, setting: str) -> str:
+    """The Jinja source to render with: the configured one, else the tokenizer's."""
+    try:
+        configured = resolve_template(setting, str(getattr(tokenizer, "name_or_path", "") or "."))
+    except FileNotFoundError as exc:
+        raise RequestError("messages", str(exc), status=500) from exc
+    template = configured or getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates: use the default one
+        template = template.get("default", "")
+    if not template:
+        raise RequestError("messages", "this model has no chat template; set handler."
+                           f"chat_template in model-config.yaml to a preset "
+                           f"({', '.join(PRESETS)}), inline Jinja or a file name", status=500)
+    return template
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], setting: str = "") -> str:
+    """Apply the chat template; a template's raise_exception becomes a 400 on `messages`."""
+    from jinja2.exceptions import TemplateError
+
+    template = template_for(tokenizer, setting)
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+    except TemplateError as exc:
+        raise RequestError("messages", f"chat template rejected the messages: {exc}") from exc
+    if not isinstance(text, str):  # defensive: some versions return a list for one chat
+        text = text[0]
+    return text
+
+
+def encode_chat(tokenizer: Any, text: str) -> list[int]:
+    """Token ids for a rendered chat prompt, with exactly one BOS at most."""
+    bos = getattr(tokenizer, "bos_token", None)
+    has_bos = bool(bos) and text.startswith(bos)
+    return list(tokenizer(text, add_special_tokens=not has_bos)["input_ids"])
