@@ -172,7 +172,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 def _cross_check(cfg: ModelConfig) -> None:
     h, fe = cfg.handler, cfg.frontend
-    if h.micro_batch_size > h.batch_size:
+    if h.batching == "micro" and h.micro_batch_size > h.batch_size:
         raise ConfigError(
             f"handler.micro_batch_size: {h.micro_batch_size} exceeds handler.batch_size "
             f"{h.batch_size}; a micro-batch runs in the backend's batch, so lower it or raise "

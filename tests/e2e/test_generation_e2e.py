@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -46,6 +47,9 @@ SPECS = [
     ArchiveSpec("tiny-micro", handler=MICRO),
     ArchiveSpec("tiny-cont", handler={"batching": "continuous", "batch_size": 8, "threads": 1}),
     ArchiveSpec("tiny-faulty", handler=MICRO, fmt="no-archive", entry_source=FAULTY_ENTRY),
+    ArchiveSpec("tiny-tight", handler={"batching": "continuous", "batch_size": 1, "max_queue": 1,
+                                       "max_new_tokens_limit": 500, "threads": 1},
+                fmt="zip-store"),
 ]
 
 
@@ -181,3 +185,61 @@ def test_stop_strings_plain_text_and_non_streaming(server):
                                      "stop": [stop]}).json()
     assert cut["finish_reason"] == "stop"
     assert cut["text"] == text[:text.index(stop)]
+
+
+def stream_in_background(server, model, body):
+    """Start a streaming request; returns (thread, result holder, first-chunk event)."""
+    import httpx
+
+    first = threading.Event()
+    out: dict = {}
+
+    def run():
+        with httpx.Client(timeout=120) as client, client.stream(
+                "POST", f"{server.inference_url}/predictions/{model}", json=body,
+                headers={"Authorization": f"Bearer {server.inference_token}"}) as r:
+            out["status"] = r.status_code
+            times = []
+            for chunk in r.iter_raw():
+                if chunk:
+                    times.append(time.monotonic())
+                    first.set()
+            out["times"] = times
+        first.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out, first
+
+
+def test_continuous_newcomer_starts_before_the_running_request_ends(server):
+    t, long_out, first = stream_in_background(
+        server, "tiny-cont", {"prompt": "Long", "max_new_tokens": 250, "min_new_tokens": 250})
+    assert first.wait(60)
+    short = post(server, "tiny-cont", {"prompt": "Short", "max_new_tokens": 4,
+                                       "min_new_tokens": 4})
+    t.join(120)
+    assert short.status == 200 and long_out["status"] == 200
+    # the newcomer joined the running batch: its first token came before the long one ended
+    assert short.chunks[0][0] < long_out["times"][-1]
+
+
+def test_full_queue_answers_503_with_retry_after(server):
+    body = {"prompt": "Busy", "max_new_tokens": 500, "min_new_tokens": 500}
+    t1, out1, first = stream_in_background(server, "tiny-tight", body)
+    assert first.wait(60)  # the only slot is busy
+    t2, out2, _ = stream_in_background(server, "tiny-tight", body)  # the only queue place
+    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    rejected = None
+    while time.monotonic() < deadline:
+        r = post(server, "tiny-tight", {"prompt": "x", "max_new_tokens": 2})
+        if r.status == 503:
+            rejected = r
+            break
+    t1.join(120)
+    t2.join(120)
+    assert rejected is not None, "queue never reported full"
+    assert rejected.headers.get("retry-after") == "1"
+    assert "max_queue" in rejected.json()["error"]["message"]
+    assert out1["status"] == out2["status"] == 200  # the admitted ones were not dropped
