@@ -1,0 +1,305 @@
+"""transformers-neuronx on Inferentia2, behind the same prefill/decode/release contract.
+
+Start-up, in order (the order matters: the runtime reads its environment once):
+claim a block of tp_degree NeuronCores -> apply the Neuron environment -> import the
+SDK -> from_pretrained -> compile, or load from the versioned compile cache.
+
+Two runners, picked by handler.batching:
+- continuous: NeuronConfig(continuous_batching=...) with one KV-cache row per slot;
+  `forward(input_ids, cache_ids, start_ids=seq_ids)` per prefill/decode and host-side
+  sampling with each request's own parameters (handlers.sampling.RowSampler).
+- micro: the SDK's own `sample(..., streamer=)` on the compiled batch, run in a
+  thread; the streamer hands each [batch, 1] step to a queue that `decode` drains.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from handlers.backends.base import Backend, SamplingParams
+from handlers.config import HandlerConfig
+from handlers.errors import ConfigError, GenerationError, NeuronUnavailableError, RequestError
+from handlers.neuron_cores import available_cores, claim_cores
+from handlers.neuron_env import apply_neuron_env, cache_root, neuron_env
+from neuron_cache.compile import compile_or_load
+from neuron_cache.key import context_buckets, key_inputs, read_model_config
+from neuron_cache.store import CacheStore
+
+log = logging.getLogger(__name__)
+INSTALL = ("install the Neuron SDK from the AWS Neuron repository: pip install "
+           "'inf2serve[neuron]' --extra-index-url https://pip.repos.neuron.amazonaws.com "
+           "(on an Inf2 instance with the Neuron driver), or use handler.backend: torch")
+STEP_TIMEOUT_S = 600.0  # one sample() step; beyond this the SDK thread is considered stuck
+
+
+def resolve_model_class(name: str) -> type:
+    """"llama.model.LlamaForSampling" -> transformers_neuronx.llama.model.LlamaForSampling."""
+    try:
+        importlib.import_module("transformers_neuronx")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in ("transformers_neuronx", "torch_neuronx"):
+            raise NeuronUnavailableError(f"handler.backend is neuron but {exc.name} is not "
+                                         f"installed; {INSTALL}") from exc
+        raise
+    module_name, _, cls_name = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(f"transformers_neuronx.{module_name}"), cls_name)
+    except (ModuleNotFoundError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"handler.neuron.model_class_name: {name!r} is not a class of "
+                          "transformers_neuronx; expected '<module>.<Class>', e.g. "
+                          "'llama.model.LlamaForSampling'") from exc
+
+
+def build_neuron_config(spec: dict[str, Any]) -> Any:
+    """Our plain-data spec (neuron_cache.key.neuron_config_spec) as SDK objects."""
+    from transformers_neuronx.config import ContinuousBatchingConfig, NeuronConfig
+    from transformers_neuronx.constants import GQA
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("continuous_batching"):
+        kwargs["continuous_batching"] = ContinuousBatchingConfig(
+            batch_size_for_shared_caches=spec["continuous_batching"])
+    if spec.get("group_query_attention"):
+        kwargs["group_query_attention"] = GQA(spec["group_query_attention"])
+    return NeuronConfig(**kwargs)
+
+
+def read_eos_ids(checkpoint: Path, model_config: dict[str, Any]) -> frozenset[int]:
+    """EOS ids from generation_config.json (what generate uses), else config.json."""
+    eos = None
+    gen = checkpoint / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+    if eos is None:
+        eos = model_config.get("eos_token_id")
+    return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
+class NeuronBackend(Backend):
+    def __init__(self, checkpoint: Path, config: HandlerConfig, model_dir: Path) -> None:
+        n = config.neuron
+        self.batch_size = config.batch_size
+        self.max_length = config.max_length
+        self._claim = claim_cores(n, available_cores(n))
+        try:
+            apply_neuron_env(neuron_env(config, self._claim.cores, model_dir))
+            model_config = read_model_config(checkpoint)
+            self.eos_token_ids = read_eos_ids(checkpoint, model_config)
+            model_cls = resolve_model_class(n.model_class_name)
+            inputs = key_inputs(config, model_config)
+            self.model = model_cls.from_pretrained(
+                str(checkpoint), batch_size=config.batch_size, tp_degree=n.tp_degree, amp=n.amp,
+                n_positions=config.max_length, context_length_estimate=context_buckets(config),
+                neuron_config=build_neuron_config(inputs.neuron_config))
+            store = CacheStore(cache_root(config, model_dir))
+            self.start = compile_or_load(store, inputs, self.model, n.on_mismatch)
+        except BaseException:
+            self._claim.release()
+            raise
+        eos = min(self.eos_token_ids) if self.eos_token_ids else 0
+        runner_cls = _ContinuousRunner if config.batching == "continuous" else _MicroRunner
+        self._runner = runner_cls(self.model, config, context_buckets(config), eos)
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                params: Sequence[SamplingParams]) -> list[int]:
+        for prompt in prompts:
+            if not 0 < len(prompt) < self.max_length:
+                raise RequestError("prompt", f"{len(prompt)} tokens; expected 1 to "
+                                   f"{self.max_length - 1} (handler.max_length {self.max_length})")
+        return self._runner.prefill(list(slots), [list(p) for p in prompts], list(params),
+                                    self.eos_token_ids)
+
+    def decode(self, slots: Sequence[int]) -> list[int]:
+        return self._runner.decode(list(slots))
+
+    def release(self, slots: Sequence[int]) -> None:
+        self._runner.release(list(slots))
+
+    def warmup(self) -> None:
+        """Touch every prefill bucket once, then one decode step."""
+        self._runner.warmup()
+
+    def close(self) -> None:
+        try:
+            self._runner.release(list(range(self.batch_size)))
+        finally:
+            self._claim.release()
+
+
+class _ContinuousRunner:
+    """One KV-cache row per slot; each request samples with its own parameters."""
+
+    def __init__(self, model: Any, config: HandlerConfig, buckets: list[int], eos: int) -> None:
+        self.model, self.buckets, self.eos = model, buckets, eos
+        self.max_length = config.max_length
+        self.rows: dict[int, tuple[int, int, Any]] = {}  # slot -> (length, last token, sampler)
+
+    def prefill(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
+                eos_ids: frozenset[int]) -> list[int]:
+        import torch
+
+        from handlers.sampling import RowSampler
+
+        out = []
+        for slot, prompt, p in zip(slots, prompts, params, strict=True):
+            if slot in self.rows:
+                raise GenerationError(f"prefill into busy slot {slot}; release it first")
+            if len(prompt) > self.buckets[-1]:
+                raise RequestError("prompt", f"{len(prompt)} tokens exceed the largest prefill "
+                                   f"bucket {self.buckets[-1]} (handler.neuron."
+                                   "context_length_estimate)")
+            ids = torch.tensor([prompt], dtype=torch.long)  # [1, L]
+            cache_ids = torch.arange(len(prompt), dtype=torch.int32).unsqueeze(0)  # [1, L]
+            logits = self.model.forward(ids, cache_ids, torch.tensor([slot], dtype=torch.int32))
+            sampler = RowSampler(p, eos_ids, torch.device("cpu"))
+            token = sampler(logits[0])  # logits: [1, vocab]
+            self.rows[slot] = (len(prompt), token, sampler)
+            out.append(token)
+        return out
+
+    def decode(self, slots: list[int]) -> list[int]:
+        import torch
+
+        missing = [s for s in slots if s not in self.rows]
+        if missing:
+            raise GenerationError(f"decode of slots {missing} that were never prefilled")
+        rows = [self.rows[s] for s in slots]
+        ids = torch.tensor([[r[1]] for r in rows], dtype=torch.long)  # [n, 1]
+        cache_ids = torch.tensor([[r[0]] for r in rows], dtype=torch.int32)  # [n, 1]
+        logits = self.model.forward(ids, cache_ids, torch.tensor(slots, dtype=torch.int32))
+        out = []
+        for i, (slot, (length, _, sampler)) in enumerate(zip(slots, rows, strict=True)):
+            token = sampler(logits[i])  # logits: [n, vocab] in slot order
+            self.rows[slot] = (length + 1, token, sampler)
+            out.append(token)
+        return out
+
+    def release(self, slots: list[int]) -> None:
+        for s in slots:
+            self.rows.pop(s, None)
+
+    def warmup(self) -> None:
+        free = next(s for s in range(len(self.rows) + 1) if s not in self.rows)
+        for bucket in self.buckets:  # a prompt of the bucket's length runs that bucket's graph
+            prompt = [self.eos] * max(2, min(bucket, self.max_length - 1))
+            self.prefill([free], [prompt], [SamplingParams()], frozenset())
+            self.decode([free])
+            self.release([free])
+
+
+class _Cancelled(Exception):
+    """Raised from the streamer to stop sample() once every slot is released."""
+
+
+class _QueueStreamer:
+    """The SDK's streamer: put() gets a [batch, 1] tensor per step, end() once."""
+
+    def __init__(self) -> None:
+        self.steps: queue.Queue[Any] = queue.Queue(maxsize=1)  # backpressure: one step ahead
+        self.cancelled = threading.Event()
+
+    def put(self, tokens: Any) -> None:
+        if self.cancelled.is_set():
+            raise _Cancelled
+        self.steps.put([int(t) for t in tokens[:, 0]])  # tokens: [batch, 1]
+
+    def end(self) -> None:
+        self.steps.put(None)
+
+
+class _MicroRunner:
+    """Static micro-batches through `sample(streamer=)`; shorter batches are padded."""
+
+    def __init__(self, model: Any, config: HandlerConfig, buckets: list[int], eos: int) -> None:
+        self.model, self.eos = model, eos
+        self.batch_size, self.max_length = config.batch_size, config.max_length
+        self.vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+        self.rows: dict[int, int] = {}  # slot -> row of the running batch
+        self.streamer: _QueueStreamer | None = None
+        self.thread: threading.Thread | None = None
+
+    def _sample_kwargs(self, params: list[SamplingParams]) -> dict[str, Any]:
+        p = params[0]
+        if any(q != p for q in params[1:]):
+            log.warning("micro batching: sample() takes one set of sampling parameters per "
+                        "batch; using the first request's (%s) for all %d", p, len(params))
+        if p.seed is not None:
+            import torch
+
+            torch.manual_seed(p.seed)
+        if p.greedy:
+            return {"top_k": 1, "top_p": 1.0, "temperature": 1.0}
+        return {"top_k": p.top_k or self.vocab or 50, "top_p": float(p.top_p),
+                "temperature": float(p.temperature)}
+
+    def prefill(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
+                eos_ids: frozenset[int]) -> list[int]:
+        import torch
+
+        if self.thread is not None:
+            raise GenerationError(f"micro batching runs one batch at a time; slots "
+                                  f"{sorted(self.rows)} are still running")
+        width = max(len(p) for p in prompts)
+        rows = list(prompts) + [[self.eos]] * (self.batch_size - len(prompts))  # pad the batch
+        ids = torch.tensor([[self.eos] * (width - len(r)) + r for r in rows])  # [batch, width]
+        start_ids = torch.tensor([width - len(r) for r in rows], dtype=torch.int32)  # left pads
+        streamer = _QueueStreamer()
+        kwargs = self._sample_kwargs(params)
+
+        def run() -> None:
+            try:
+                self.model.sample(ids, sequence_length=self.max_length, start_ids=start_ids,
+                                  eos_token_override=self.eos, streamer=streamer, **kwargs)
+            except _Cancelled:
+                pass
+            except Exception as exc:  # handed to the engine thread by decode()
+                streamer.steps.put(exc)
+
+        self.streamer, self.rows = streamer, {s: i for i, s in enumerate(slots)}
+        self.thread = threading.Thread(target=run, name="neuron-sample", daemon=True)
+        self.thread.start()
+        return self.decode(slots)
+
+    def decode(self, slots: list[int]) -> list[int]:
+        if self.streamer is None:
+            raise GenerationError(f"decode of slots {slots} with no micro-batch running")
+        try:
+            step = self.streamer.steps.get(timeout=STEP_TIMEOUT_S)
+        except queue.Empty:
+            raise GenerationError(f"sample() produced no token in {STEP_TIMEOUT_S:.0f}s") from None
+        if isinstance(step, Exception):
+            raise GenerationError(f"sample() failed: {type(step).__name__}: {step}") from step
+        if step is None:
+            raise GenerationError(
+                f"the micro-batch reached n_positions {self.max_length}: with left padding every "
+                "row ends when the longest prompt does. Lower max_new_tokens, raise "
+                "handler.max_length, or use handler.batching: continuous")
+        return [step[self.rows[s]] for s in slots]
+
+    def release(self, slots: list[int]) -> None:
+        for s in slots:
+            self.rows.pop(s, None)
+        if self.rows or self.thread is None:
+            return
+        self.streamer.cancelled.set()
+        while self.thread.is_alive():  # unblock a put() waiting on the full queue
+            try:
+                self.streamer.steps.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self.thread.join()
+        self.thread, self.streamer = None, None
+
+    def warmup(self) -> None:
+        slots = list(range(self.batch_size))
+        self.prefill(slots, [[self.eos] * 4] * self.batch_size, [SamplingParams()] * len(slots),
+                     frozenset())
+        self.decode(slots)
+        self.release(slots)

@@ -1,0 +1,168 @@
+"""What makes a compiled Neuron model reusable: every input that changes the NEFFs.
+
+transformers-neuronx compiles graphs from the architecture and the shapes, not the
+weights (weights are loaded at `to_neuron()`), so the key hashes config.json minus
+the fields that do not change the graph, plus the compile settings, the compiler
+flags and the installed SDK versions. Two entries with the same digest are
+interchangeable; anything else is compiled anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from handlers.errors import CacheError
+
+if TYPE_CHECKING:
+    from handlers.config import HandlerConfig
+
+#: distributions whose versions are part of the key (read with importlib.metadata)
+SDK_DISTRIBUTIONS = ("neuronx-cc", "transformers-neuronx", "torch-neuronx")
+ABSENT = "absent"
+#: config.json fields that do not change the compiled graph
+IGNORED_CONFIG_FIELDS = frozenset({
+    "architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+    "_commit_hash", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "tokenizer_class", "initializer_range", "task_specific_params", "finetuning_task",
+})
+#: key fields a different SDK install or different flags change (see `mismatch_fields`)
+BUILD_FIELDS = ("sdk", "compiler_flags")
+
+
+def sdk_versions() -> dict[str, str]:
+    """Installed Neuron SDK versions; "absent" for a distribution that is not installed."""
+    out = {}
+    for dist in SDK_DISTRIBUTIONS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = ABSENT
+    return out
+
+
+def graph_config(model_config: dict[str, Any]) -> dict[str, Any]:
+    """config.json without the fields that leave the graph unchanged (ids, dtype, names)."""
+    return {k: v for k, v in sorted(model_config.items())
+            if k not in IGNORED_CONFIG_FIELDS and not k.endswith("_token_id")}
+
+
+def read_model_config(checkpoint: Path) -> dict[str, Any]:
+    path = Path(checkpoint) / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise CacheError(f"{path}: no such file; the compile-cache key needs the checkpoint's "
+                         "config.json (check handler.checkpoint)") from exc
+    except json.JSONDecodeError as exc:
+        raise CacheError(f"{path}: not valid JSON ({exc}); re-export the checkpoint") from exc
+    if not isinstance(data, dict):
+        raise CacheError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+@dataclass(frozen=True)
+class KeyInputs:
+    """Everything that goes into the key; stored verbatim in each entry's metadata.json."""
+
+    model_config: dict[str, Any]
+    model_class: str
+    tp_degree: int
+    amp: str
+    batch_size: int
+    n_positions: int
+    context_length_estimate: list[int]
+    neuron_config: dict[str, Any]
+    compiler_flags: list[str]
+    sdk: dict[str, str] = field(default_factory=sdk_versions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KeyInputs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(data) != names:
+            raise CacheError(f"key inputs have fields {sorted(data)}, expected {sorted(names)}; "
+                             "the entry was written by another inf2serve version: prune it")
+        return cls(**data)
+
+    @property
+    def digest(self) -> str:
+        return _digest(self.to_dict())
+
+    @property
+    def model_digest(self) -> str:
+        """Identity of the model alone: entries sharing it are candidates for a mismatch report."""
+        return _digest({"model_config": self.model_config, "model_class": self.model_class})
+
+    @property
+    def entry_name(self) -> str:
+        """A directory name a person can read: model, layout, shapes, dtype, then the digest."""
+        c = self.model_config
+        model = "-".join(str(p) for p in (c.get("model_type", "model"),
+                                          f"l{c.get('num_hidden_layers', '?')}",
+                                          f"h{c.get('hidden_size', '?')}"))
+        cb = "-cb" if self.neuron_config.get("continuous_batching") else ""
+        return (f"{model}-tp{self.tp_degree}-b{self.batch_size}-n{self.n_positions}-{self.amp}"
+                f"{cb}-{self.digest[:12]}")
+
+
+def _digest(data: dict[str, Any]) -> str:
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def neuron_config_spec(config: HandlerConfig) -> dict[str, Any]:
+    """The NeuronConfig we build, as plain data (the backend turns it into SDK objects)."""
+    return {
+        "continuous_batching": config.batch_size if config.batching == "continuous" else None,
+        "group_query_attention": config.neuron.gqa or None,
+    }
+
+
+def context_buckets(config: HandlerConfig) -> list[int]:
+    """Prefill buckets; an empty setting means one bucket of max_length."""
+    return sorted(int(x) for x in config.neuron.context_length_estimate) or [config.max_length]
+
+
+def key_inputs(config: HandlerConfig, model_config: dict[str, Any],
+               sdk: dict[str, str] | None = None) -> KeyInputs:
+    """The key of the model `config` describes, for a checkpoint with `model_config`."""
+    n = config.neuron
+    return KeyInputs(
+        model_config=graph_config(model_config), model_class=n.model_class_name,
+        tp_degree=n.tp_degree, amp=n.amp, batch_size=config.batch_size,
+        n_positions=config.max_length, context_length_estimate=context_buckets(config),
+        neuron_config=neuron_config_spec(config), compiler_flags=[str(f) for f in n.compiler_flags],
+        sdk=sdk_versions() if sdk is None else dict(sdk),
+    )
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+def differences(ours: KeyInputs, theirs: KeyInputs) -> dict[str, tuple[Any, Any]]:
+    """Field path -> (our value, their value) for every key input that differs."""
+    a, b = _flatten(ours.to_dict()), _flatten(theirs.to_dict())
+    return {k: (a.get(k, ABSENT), b.get(k, ABSENT)) for k in sorted(set(a) | set(b))
+            if a.get(k, ABSENT) != b.get(k, ABSENT)}
+
+
+def is_build_mismatch(ours: KeyInputs, theirs: KeyInputs) -> bool:
+    """Same model and shapes, built by another SDK or with other flags."""
+    diff = differences(ours, theirs)
+    return bool(diff) and all(k.split(".")[0] in BUILD_FIELDS for k in diff)

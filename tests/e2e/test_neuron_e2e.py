@@ -1,0 +1,106 @@
+"""The neuron backend through a real TorchServe, on the transformers-neuronx fake.
+
+PYTHONPATH puts tests/fakes first, so the workers import the fake SDK (it computes
+with the real checkpoint on CPU and logs every compile/load to an events file).
+Checks: streamed text equals the torch backend's; a restart on the same archive
+compiles nothing and loads from the archive's compile cache; two workers started
+together compile once and run on disjoint NEURON_RT_VISIBLE_CORES.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import ArchiveSpec, build_store, logs, post, running_server
+
+pytestmark = pytest.mark.e2e
+
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+PROMPTS = ["The quick brown fox", "Once upon a time"]
+
+
+def _neuron_spec(name: str, root: Path, workers: int = 1) -> ArchiveSpec:
+    return ArchiveSpec(
+        name, {"minWorkers": workers, "maxWorkers": workers, "deviceType": "neuron"},
+        {"backend": "neuron", "batching": "continuous", "batch_size": 4, "threads": 1,
+         "neuron": {"tp_degree": 2, "cores_per_instance": 4, "amp": "f32",
+                    "core_lock_dir": str(root / "core-locks")}},
+        fmt="no-archive")  # a folder: its neuron_cache/ persists across restarts
+
+
+def _env(root: Path, compile_s: float = 0.0) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(FAKES),
+                                                        os.environ.get("PYTHONPATH")])),
+            "INF2SERVE_FAKE_NEURON_EVENTS": str(root / "events.jsonl"),
+            "INF2SERVE_FAKE_NEURON_DEVICE_DIR": str(root / "device"),
+            "INF2SERVE_FAKE_NEURON_COMPILE_S": str(compile_s)}
+
+
+def _events(root: Path, want: int = 0, timeout_s: float = 120) -> list[dict]:
+    """The fake's event log, waiting until it has `want` lines (workers start in parallel)."""
+    path, deadline = root / "events.jsonl", time.monotonic() + timeout_s
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= want or time.monotonic() > deadline:
+            return [json.loads(x) for x in lines]
+        time.sleep(0.2)
+
+
+def _generate(server, model: str) -> list[str]:
+    out = []
+    for prompt in PROMPTS:
+        r = post(server, model, {"prompt": prompt, "max_new_tokens": 24, "temperature": 0.0})
+        assert r.status == 200, r.body
+        assert len(r.chunks) >= 2  # streamed
+        out.append(r.text)
+    return out
+
+
+def test_restart_loads_from_the_compile_cache(tiny_checkpoint, tmp_path_factory) -> None:
+    root = tmp_path_factory.mktemp("neuron-e2e")
+    store = build_store(root, tiny_checkpoint, [
+        _neuron_spec("tiny-neuron", root),
+        ArchiveSpec("tiny-torch", {}, {"batching": "continuous", "batch_size": 4, "threads": 1}),
+    ])
+    with running_server(store, root / "run1", ["tiny-neuron", "tiny-torch"],
+                        env=_env(root)) as server:
+        try:
+            first = _generate(server, "tiny-neuron")
+            assert first == _generate(server, "tiny-torch")  # same model, same greedy text
+            assert any(t.strip() for t in first)
+        except AssertionError:
+            print(logs(server.run_dir))
+            raise
+    events = _events(root, 1)
+    assert [e["event"] for e in events] == ["compile"]
+    assert events[0]["visible_cores"] == [0, 1]
+    entries = [p for p in (store / "tiny-neuron" / "neuron_cache").iterdir()
+               if (p / "metadata.json").exists()]
+    assert len(entries) == 1
+
+    with running_server(store, root / "run2", ["tiny-neuron"], env=_env(root)) as server:
+        assert _generate(server, "tiny-neuron") == first
+    events = _events(root, 2)
+    assert [e["event"] for e in events] == ["compile", "load"]  # nothing compiled again
+    assert events[1]["directory"] == str((entries[0] / "artifacts").resolve())
+
+
+def test_two_workers_compile_once_on_disjoint_cores(tiny_checkpoint, tmp_path_factory) -> None:
+    root = tmp_path_factory.mktemp("neuron-e2e-2w")
+    store = build_store(root, tiny_checkpoint, [_neuron_spec("tiny-neuron-2w", root, 2)])
+    with running_server(store, root / "run", ["tiny-neuron-2w"],
+                        env=_env(root, compile_s=3.0)) as server:
+        events = _events(root, 2)
+        try:
+            assert sorted(e["event"] for e in events) == ["compile", "load"]
+            assert sorted(tuple(e["visible_cores"]) for e in events) == [(0, 1), (2, 3)]
+            assert len({e["pid"] for e in events}) == 2
+            assert all(r for r in _generate(server, "tiny-neuron-2w"))
+        except AssertionError:
+            print(logs(server.run_dir))
+            raise

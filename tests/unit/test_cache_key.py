@@ -1,0 +1,99 @@
+"""The compile-cache key changes with every input that changes the NEFFs, and only those."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from handlers.config import parse_config
+from neuron_cache.key import (
+    KeyInputs,
+    differences,
+    graph_config,
+    is_build_mismatch,
+    key_inputs,
+    sdk_versions,
+)
+
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+MODEL = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+         "intermediate_size": 172, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+         "torch_dtype": "float32", "architectures": ["LlamaForCausalLM"],
+         "transformers_version": "5.23.0", "_name_or_path": "/tmp/x"}
+SDK = {"neuronx-cc": "2.15.128.0", "transformers-neuronx": "0.13.322",
+       "torch-neuronx": "2.1.2.2.3.0"}
+
+
+def _key(handler: dict | None = None, model: dict | None = None, sdk: dict | None = None):
+    cfg = parse_config({"handler": {"backend": "neuron", **(handler or {})}}).handler
+    return key_inputs(cfg, model or MODEL, sdk or SDK)
+
+
+BASE = _key()
+
+
+@pytest.mark.parametrize("handler", [
+    {"batch_size": 8},
+    {"max_length": 1024},
+    {"batching": "micro"},
+    {"neuron": {"tp_degree": 4}},
+    {"neuron": {"amp": "f16"}},
+    {"neuron": {"context_length_estimate": [128, 512]}},
+    {"neuron": {"gqa": "shard-over-heads"}},
+    {"neuron": {"compiler_flags": ["--model-type=transformer", "-O1"]}},
+    {"neuron": {"model_class_name": "mistral.model.MistralForSampling"}},
+])
+def test_key_changes_with_each_compile_setting(handler: dict) -> None:
+    assert _key(handler).digest != BASE.digest
+
+
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 3), ("hidden_size", 128),
+                                         ("num_key_value_heads", 4), ("vocab_size", 2048),
+                                         ("rope_theta", 500000.0)])
+def test_key_changes_with_the_architecture(field: str, value: object) -> None:
+    assert _key(model={**MODEL, field: value}).digest != BASE.digest
+
+
+@pytest.mark.parametrize("dist", sorted(SDK))
+def test_key_changes_with_each_sdk_version(dist: str) -> None:
+    other = _key(sdk={**SDK, dist: "9.9.9"})
+    assert other.digest != BASE.digest
+    assert is_build_mismatch(BASE, other)
+    assert list(differences(BASE, other)) == [f"sdk.{dist}"]
+
+
+@pytest.mark.parametrize("field,value", [("eos_token_id", 7), ("bos_token_id", 9),
+                                         ("pad_token_id", 3), ("torch_dtype", "bfloat16"),
+                                         ("transformers_version", "4.0"),
+                                         ("architectures", ["X"]), ("_name_or_path", "/y")])
+def test_key_ignores_fields_that_do_not_change_the_graph(field: str, value: object) -> None:
+    assert _key(model={**MODEL, field: value}).digest == BASE.digest
+
+
+def test_shape_change_is_not_a_build_mismatch() -> None:
+    assert not is_build_mismatch(BASE, _key({"batch_size": 8}))
+    assert is_build_mismatch(BASE, _key({"neuron": {"compiler_flags": ["-O1"]}}))
+
+
+def test_entry_name_is_readable_and_round_trips() -> None:
+    assert BASE.entry_name.startswith("llama-l2-h64-tp2-b4-n2048-bf16-cb-")
+    assert KeyInputs.from_dict(BASE.to_dict()) == BASE
+    assert "eos_token_id" not in graph_config(MODEL)
+
+
+def test_empty_buckets_mean_one_bucket_of_max_length() -> None:
+    assert BASE.context_length_estimate == [2048]
+    assert dataclasses.replace(BASE).digest == BASE.digest
+
+
+def test_sdk_versions_absent_without_the_sdk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if "fakes" not in p])
+    assert set(sdk_versions().values()) == {"absent"}
+
+
+def test_sdk_versions_read_installed_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(FAKES))  # the fake ships *.dist-info like a real install
+    assert sdk_versions() == SDK
