@@ -62,7 +62,7 @@ def in_process(checkpoint: Path, prompts: list[str], threads: int) -> dict:
 
 def served(url: str, token: str, label: str, prompts: list[str], rate_s: float) -> list:
     params = GenParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-    scenarios = [Scenario("sync", 1, requests=5), Scenario("concurrency", 8, requests=24),
+    scenarios = [Scenario("sync", 1, requests=5), Scenario("concurrency", 8, requests=32),
                  Scenario("rate", 2.0, duration_s=rate_s)]
     out = []
     for sc in scenarios:
@@ -132,10 +132,11 @@ def main() -> int:
           f"{inproc['batch8_tokens_per_s']:.1f} tok/s", flush=True)
 
     common = {"threads": args.threads, "max_length": 1024, "max_new_tokens_limit": 512,
-              "batch_size": 8, "max_queue": 256}
-    specs = [ArchiveSpec("bench-cont", handler={**common, "batching": "continuous"},
-                         fmt="no-archive"),
-             ArchiveSpec("bench-micro", handler={**common, "batching": "micro",
+              "max_queue": 256}
+    # continuous: 16 slots; micro: the reference shape, static micro-batches of 8
+    specs = [ArchiveSpec("bench-cont", handler={**common, "batching": "continuous",
+                                                "batch_size": 16}, fmt="no-archive"),
+             ArchiveSpec("bench-micro", handler={**common, "batching": "micro", "batch_size": 8,
                                                  "micro_batch_size": 8, "batch_delay_ms": 50},
                          fmt="no-archive")]
     store = build_store(work, checkpoint, specs)

@@ -87,13 +87,9 @@ class Engine:
             now = time.monotonic()
             for seq in newcomers:
                 self._observe("QueueTime", (now - seq.arrived_at) * 1000, "ms")
-            # continuous: one newcomer per call, so each first token goes out as soon as it
-            # exists; micro: the micro-batch is prefilled together, as the reference does
-            groups = [newcomers] if self.scheduler.policy == "micro" else [[s] for s in newcomers]
-            for group in groups:
-                self._call(group, lambda g=group: self.backend.prefill(
-                    [s.slot for s in g], [s.prompt_ids for s in g], [s.sampling for s in g]),
-                    "prefill")
+            self._call(newcomers, lambda: self.backend.prefill(
+                [s.slot for s in newcomers], [s.prompt_ids for s in newcomers],
+                [s.sampling for s in newcomers]), "prefill")
         with self._cond:
             batch = [s for s in self.scheduler.running.values() if not s.cancelled]
         if batch:

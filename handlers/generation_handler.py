@@ -19,7 +19,7 @@ from handlers.apis import Immediate, NativeApi, select_api
 from handlers.config import parse_config
 from handlers.errors import CapacityError, RequestError
 from handlers.framing import Framer, native_framer
-from handlers.scheduler import ErrorEvent, FinishEvent
+from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.service import GenerationService
 
 logger = logging.getLogger(__name__)
@@ -105,18 +105,26 @@ class GenerationHandler:
         return await self.stream(writer, framer, events)
 
     async def stream(self, writer: StreamWriter, framer: Framer, events: asyncio.Queue) -> str:
-        """Forward events until the sequence ends; the return value is the last piece."""
+        """Forward events until the sequence ends; the return value is the last piece.
+
+        Text that queued up while a chunk was being sent goes out as one chunk: fewer,
+        larger chunks when the engine outruns the socket, the same text either way.
+        """
         writer.begin(framer)
         while True:
-            event = await events.get()
-            if isinstance(event, FinishEvent):
-                return framer.final(event)
-            if isinstance(event, ErrorEvent):
+            batch = [await events.get()]
+            while not events.empty():
+                batch.append(events.get_nowait())
+            text = "".join(e.text for e in batch if isinstance(e, TextEvent))
+            if text and framer.streaming:
+                writer.send(framer.chunk(text))
+            end = batch[-1]
+            if isinstance(end, FinishEvent):
+                return framer.final(end)
+            if isinstance(end, ErrorEvent):
                 if writer.started:
-                    return framer.error(event.status, event.message, in_stream=True)
-                return writer.fail(event.status, framer.error(event.status, event.message))
-            if framer.streaming:
-                writer.send(framer.chunk(event.text))
+                    return framer.error(end.status, end.message, in_stream=True)
+                return writer.fail(end.status, framer.error(end.status, end.message))
 
     @staticmethod
     def _observer(context: Any):

@@ -1,9 +1,10 @@
 """Hugging Face transformers on CPU (or CUDA when present), with slot-level batching.
 
 The running sequences share one left-padded KV cache (a DynamicCache with rows in
-slot order of arrival): a newcomer is prefilled alone -- so its logits match a
-plain `generate` -- then padded and concatenated into the batch; a finished row is
-cut out and all-padding columns on the left are trimmed. Decoding runs the whole
+order of arrival): newcomers are prefilled together in one left-padded forward (a
+single newcomer needs no padding, so its logits match a plain `generate`), then
+padded and concatenated into the batch; a finished row is cut out and all-padding
+columns on the left are trimmed. Decoding runs the whole
 batch with a 2-D attention mask and explicit per-row position ids, which is how
 `generate` handles left padding.
 """
@@ -73,19 +74,26 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 params: Sequence[SamplingParams]) -> list[int]:
+        """All newcomers in one left-padded forward (one row alone needs no padding)."""
         busy = {r.slot for r in self._rows} & set(slots)
         if busy:
             raise ValueError(f"prefill into busy slots {sorted(busy)}")
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts],
+                           device=self.device)  # [n, L]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=self.device)  # [n, L]
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [n, L] positions count real tokens only
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         past_key_values=cache, use_cache=True)
         tokens = []
-        for slot, prompt, p in zip(slots, prompts, params, strict=True):
-            ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)  # [1, L]
-            cache = DynamicCache(config=self.model.config)
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        for i, (slot, prompt, p) in enumerate(zip(slots, prompts, params, strict=True)):
             sampler = RowSampler(p, self.eos_token_ids, self.device)
-            token = sampler(out.logits[0, -1])
-            self._append_row(cache, len(prompt))
+            token = sampler(out.logits[i, -1])
             self._rows.append(_Row(slot, len(prompt), token, sampler))
             tokens.append(token)
+        self._append_rows(cache, mask)
         return tokens
 
     @torch.inference_mode()
@@ -130,19 +138,17 @@ class TorchBackend(Backend):
         self.release([slot])
 
     # -- batch cache ------------------------------------------------------------------
-    def _append_row(self, cache: DynamicCache, length: int) -> None:
-        """Left-pad the new row or the batch to a common length and concatenate."""
-        row_mask = torch.ones((1, length), dtype=torch.long, device=self.device)
+    def _append_rows(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Left-pad the new rows or the batch to a common length and concatenate."""
         if self._cache is None:
-            self._cache, self._mask = cache, row_mask
+            self._cache, self._mask = cache, mask
             return
-        width = max(self._mask.shape[1], length)
-        grow_batch, grow_row = width - self._mask.shape[1], width - length
-        self._mask = torch.cat([F.pad(self._mask, (grow_batch, 0)),
-                                F.pad(row_mask, (grow_row, 0))])
+        width = max(self._mask.shape[1], mask.shape[1])
+        grow_batch, grow_new = width - self._mask.shape[1], width - mask.shape[1]
+        self._mask = torch.cat([F.pad(self._mask, (grow_batch, 0)), F.pad(mask, (grow_new, 0))])
         for mine, new in zip(self._cache.layers, cache.layers, strict=True):
             # keys/values: [B, kv_heads, T, head_dim]; pad dim 2 on the left
             mine.keys = torch.cat([F.pad(mine.keys, (0, 0, grow_batch, 0)),
-                                   F.pad(new.keys, (0, 0, grow_row, 0))])
+                                   F.pad(new.keys, (0, 0, grow_new, 0))])
             mine.values = torch.cat([F.pad(mine.values, (0, 0, grow_batch, 0)),
-                                     F.pad(new.values, (0, 0, grow_row, 0))])
+                                     F.pad(new.values, (0, 0, grow_new, 0))])
