@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
+from archive_tools.fileops import copy_path, human, progress_bar, staged
 from archive_tools.inspect_cmd import scan, summarize
-from archive_tools.package import copy_path, human, progress_bar, publish, remove_path
 from handlers.errors import Inf2ServeError
 
 TARGETS = ("sagemaker", "kserve")
@@ -134,10 +133,7 @@ def export(archive: Path, out: Path, target: str, *, force: bool = False, link: 
         raise Inf2ServeError(f"OUT {out} exists; pass --force to replace it")
     if archive.resolve() == out.resolve() or out.resolve() in archive.resolve().parents:
         raise Inf2ServeError(f"OUT {out}: must not contain ARCHIVE; pick another directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        built = work / out.name
+    with staged(out) as built:
         store = built if target == "sagemaker" else built / "model-store"
         store.mkdir(parents=True)
         files = [p for p in sorted(archive.rglob("*")) if p.is_file()] if archive.is_dir() \
@@ -161,9 +157,6 @@ def export(archive: Path, out: Path, target: str, *, force: bool = False, link: 
                 kserve_properties(name, archive.name, cfg))
         for d in [built, *(p for p in built.rglob("*") if p.is_dir())]:
             d.chmod(0o755)
-        publish(built, out, trash=work)
-    finally:
-        remove_path(work)
     return out, next_steps(target, name, out, cfg)
 
 

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import yaml
 
-from archive_tools.package import human
+from archive_tools.fileops import human
 from handlers.config import parse_config
 from handlers.errors import Inf2ServeError
 

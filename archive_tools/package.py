@@ -25,17 +25,22 @@ import argparse
 import importlib.metadata
 import importlib.util
 import io
-import os
 import re
-import shutil
 import tarfile
-import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from archive_tools.fileops import (
+    Advance,
+    CountingReader,
+    copy_path,
+    copy_stream,
+    human,
+    progress_bar,
+    remove_path,
+    staged,
+)
 from handlers.config import ModelConfig, load_config
 from handlers.errors import Inf2ServeError
 
@@ -48,87 +53,6 @@ WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 SKIP_DIRS = {"__pycache__", ".git", ".ipynb_checkpoints"}
 COMPRESS_LEVEL = 1  # weights barely compress; level 1 is several times faster than 6
-CHUNK = 8 << 20
-PROGRESS_MIN_BYTES = 64 << 20  # below this a bar is noise
-
-Advance = Callable[[int], None]
-
-
-# --- file operations shared by prepare/export: streamed copies, progress, atomic publish ---
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
-@contextmanager
-def progress_bar(total: int, label: str, enabled: bool = True) -> Iterator[Advance]:
-    """A rich bar on stderr for large copies; yields `advance(nbytes)`."""
-    if not enabled or total < PROGRESS_MIN_BYTES:
-        yield lambda n: None
-        return
-    from rich import progress as rp
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    with rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(), rp.DownloadColumn(),
-                     rp.TransferSpeedColumn(), rp.TimeRemainingColumn(), console=console,
-                     disable=not console.is_terminal) as bar:
-        task = bar.add_task(label, total=total)
-        yield lambda n: bar.advance(task, n)
-
-
-def copy_stream(fsrc, fdst, advance: Advance) -> None:
-    """Chunked copy that reports progress (and is the one place bytes are written)."""
-    while chunk := fsrc.read(CHUNK):
-        fdst.write(chunk)
-        advance(len(chunk))
-
-
-def copy_path(src: Path, dst: Path, advance: Advance, link: bool = False) -> None:
-    """Copy src to dst (or hard-link it when asked and the filesystem allows)."""
-    if link:
-        try:
-            os.link(src, dst)
-            advance(src.stat().st_size)
-            return
-        except OSError:  # other filesystem, or links not allowed: copy instead
-            pass
-    with open(src, "rb") as fsrc, open(dst, "wb") as fdst:
-        copy_stream(fsrc, fdst, advance)
-    dst.chmod(0o644)  # readable by the serving user whatever the source's mode
-
-
-def remove_path(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def publish(built: Path, target: Path, trash: Path) -> None:
-    """Move a complete build onto `target`; the old target is moved into `trash` only now.
-
-    A file replaces a file atomically (os.replace). A folder needs two renames; if
-    the second fails the old folder is put back. `trash` lives on the same filesystem
-    (the caller's work dir) and is deleted by the caller.
-    """
-    if built.is_file() and not target.is_dir():
-        os.replace(built, target)
-        return
-    old = None
-    if target.exists() or target.is_symlink():
-        old = trash / f"old-{target.name}"
-        os.rename(target, old)
-    try:
-        os.rename(built, target)
-    except BaseException:
-        if old is not None:
-            os.rename(old, target)
-        raise
 
 
 @dataclass(frozen=True)
@@ -323,20 +247,8 @@ def _write_tgz(plan: Plan, dest: Path, advance: Advance) -> None:
             info = tar.gettarinfo(str(e.src), arcname=f"{plan.name}/{e.arcname}")
             info.mode, info.uid, info.gid, info.uname, info.gname = 0o644, 0, 0, "", ""
             with open(e.src, "rb") as fsrc:
-                tar.addfile(info, _CountingReader(fsrc, advance))
+                tar.addfile(info, CountingReader(fsrc, advance))
         add("MAR-INF/MANIFEST.json", plan.manifest.encode())
-
-
-class _CountingReader:
-    """File wrapper that reports bytes read (tarfile copies from it)."""
-
-    def __init__(self, f, advance: Advance) -> None:
-        self._f, self._advance = f, advance
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
-        self._advance(len(data))
-        return data
 
 
 WRITERS = {"no-archive": _write_folder, "mar": _write_zip, "zip-store": _write_zip,
@@ -345,22 +257,15 @@ WRITERS = {"no-archive": _write_folder, "mar": _write_zip, "zip-store": _write_z
 
 def execute(plan: Plan, *, show_progress: bool = True) -> Path:
     """Write the archive in a work dir next to the target, then rename it into place."""
-    out_dir = plan.target.parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{plan.name}.partial-", dir=out_dir))
-    try:
-        built = work / plan.target.name
+    with staged(plan.target, label=plan.name) as built:
         if plan.fmt == "no-archive":
             built.mkdir()
         with progress_bar(plan.total_bytes, f"packaging {plan.name}", show_progress) as advance:
             WRITERS[plan.fmt](plan, built, advance)
         built.chmod(0o755 if built.is_dir() else 0o644)
-        publish(built, plan.target, trash=work)
-        for other in plan.replaces:
-            if other != plan.target:
-                remove_path(other)
-    finally:
-        remove_path(work)
+    for other in plan.replaces:
+        if other != plan.target:
+            remove_path(other)
     return plan.target
 
 

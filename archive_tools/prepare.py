@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from archive_tools.package import human, progress_bar, publish, remove_path
+from archive_tools.fileops import human, progress_bar, staged
 from handlers.config import load_config
 from handlers.errors import Inf2ServeError
 
@@ -164,10 +163,7 @@ def prepare(src: Path, out: Path, *, amp: str | None = None, legacy_split: bool 
         raise Inf2ServeError(f"OUT {out} exists; pass --force to replace it")
     shards = source_shards(src)
     dtype = getattr(torch, AMP_DTYPES[amp]) if amp else None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        built = work / out.name
+    with staged(out) as built:
         built.mkdir()
         total = sum(s.stat().st_size for s in shards)
         with progress_bar(total, f"preparing {out.name}", show_progress) as advance:
@@ -176,9 +172,6 @@ def prepare(src: Path, out: Path, *, amp: str | None = None, legacy_split: bool 
         _write_meta(src, built, amp)
         for path in [built, *built.rglob("*")]:  # safetensors writes 0600; serving may not be us
             path.chmod(0o755 if path.is_dir() else 0o644)
-        publish(built, out, trash=work)
-    finally:
-        remove_path(work)
     return out
 
 

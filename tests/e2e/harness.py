@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from archive_tools import serve
@@ -120,6 +121,22 @@ def post(server: serve.Server, model: str, body: Any, timeout: float = 120,
 
 def logs(run_dir: Path) -> str:
     return serve.log_tail(run_dir, 200)
+
+
+def attach_logs_fixture():
+    """An autouse fixture printing the module's `server` log tail after a failed test.
+
+    Bind it in a test module (`_attach_logs = attach_logs_fixture()`); pytest shows
+    the output with the failure. Needs tests/conftest.py's rep_call hook.
+    """
+    @pytest.fixture(autouse=True)
+    def _attach_logs(request, server):
+        yield
+        rep = getattr(request.node, "rep_call", None)
+        if rep is not None and rep.failed:
+            print(logs(server.run_dir))
+
+    return _attach_logs
 
 
 def cleanup(path: Path) -> None:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.e2e.harness import ArchiveSpec, build_store, logs, post, running_server
+from tests.e2e.harness import ArchiveSpec, attach_logs_fixture, build_store, post, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -61,12 +61,7 @@ def server(tiny_checkpoint, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture(autouse=True)
-def _attach_logs(request, server):
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed:
-        print(logs(server.run_dir))
+_attach_logs = attach_logs_fixture()
 
 
 def concurrently(fn, args_list):

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.harness import ArchiveSpec, build_store, logs, running_server
+from tests.e2e.harness import ArchiveSpec, attach_logs_fixture, build_store, running_server
 
 pytestmark = pytest.mark.e2e
 MODEL = "tiny"
@@ -37,12 +37,7 @@ def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         yield srv
 
 
-@pytest.fixture(autouse=True)
-def _attach_logs(request, server):
-    yield
-    rep = getattr(request.node, "rep_call", None)
-    if rep is not None and rep.failed:
-        print(logs(server.run_dir))
+_attach_logs = attach_logs_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from archive_tools import fileops
 from archive_tools import package as pkg
 from archive_tools.cli import main
 
@@ -161,7 +162,7 @@ def test_interrupted_run_leaves_store_unchanged(tmp_path: Path, monkeypatch, fmt
     pkg.package(CONFIG, ckpt, "tiny", fmt, store)  # the archive a --force run would replace
     (store / "other.mar").write_bytes(b"another model")
     before = tree(store)
-    monkeypatch.setattr(pkg, "CHUNK", 4096)  # so the failure lands inside the weights file
+    monkeypatch.setattr(fileops, "CHUNK", 4096)  # so the failure lands inside the weights file
     monkeypatch.setattr(pkg, "progress_bar", _failing_bar(600 << 10, exc))
     with pytest.raises(type(exc)):
         pkg.package(CONFIG, ckpt, "tiny", fmt, store, force=True)
