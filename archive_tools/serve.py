@@ -69,6 +69,7 @@ def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, 
         "default_workers_per_model": str(workers),
         "default_response_timeout": "600",
         "metrics_mode": "prometheus",
+        "model_metrics_auto_detect": "true",  # export the handler's TTFT / tokens / queue time
         "enable_envvars_config": "false",
     }
     props.update(extra or {})

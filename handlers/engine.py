@@ -86,7 +86,7 @@ class Engine:
         if newcomers:
             now = time.monotonic()
             for seq in newcomers:
-                self._observe("QueueTime", (now - seq.arrived_at) * 1000, "ms")
+                self._observe("EngineQueueTime", (now - seq.arrived_at) * 1000, "ms")
             self._call(newcomers, lambda: self.backend.prefill(
                 [s.slot for s in newcomers], [s.prompt_ids for s in newcomers],
                 [s.sampling for s in newcomers]), "prefill")

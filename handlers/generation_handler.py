@@ -132,7 +132,7 @@ class GenerationHandler:
         from ts.metrics.metric_type_enum import MetricTypes
 
         types = {"TimeToFirstToken": ("ms", MetricTypes.HISTOGRAM),
-                 "QueueTime": ("ms", MetricTypes.HISTOGRAM),
+                 "EngineQueueTime": ("ms", MetricTypes.HISTOGRAM),
                  "GeneratedTokens": ("count", MetricTypes.COUNTER)}
         model = context.model_name
         metrics = {name: context.metrics.add_metric_to_cache(name, unit, ["ModelName"], kind)
@@ -152,6 +152,7 @@ def _payload(item: dict) -> Any:
 
 
 def _content_type(context: Any, idx: int) -> str:
+    """The body's content type: TorchServe files it under the parameter, else the header."""
     try:
         props = context.request_processor[idx].get_request_properties()
     except (AttributeError, IndexError, TypeError):
@@ -159,4 +160,7 @@ def _content_type(context: Any, idx: int) -> str:
     for key in ("data", "body"):
         if isinstance(props.get(key), dict):
             return str(props[key].get("content-type", ""))
+    for key, value in props.items():
+        if isinstance(key, str) and key.lower() == "content-type":
+            return str(value)
     return ""

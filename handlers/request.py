@@ -51,6 +51,10 @@ def decode_body(data: Any, content_type: str = "") -> dict[str, Any]:
             return _json_object(data)
         return {"prompt": data}
     if data is None:
+        if "form" in content_type:
+            raise RequestError("body", f"{content_type} bodies are parsed as forms by "
+                               "TorchServe; send -H 'Content-Type: application/json' (or "
+                               "text/plain) with `curl -d`")
         raise RequestError("body", "empty request; send JSON {\"prompt\": ...} or plain text")
     raise RequestError("body", f"expected a JSON object, got {type(data).__name__}")
 

@@ -238,3 +238,18 @@ def test_full_queue_answers_503_with_retry_after(server):
     assert rejected.headers.get("retry-after") == "1"
     assert "max_queue" in rejected.json()["error"]["message"]
     assert out1["status"] == out2["status"] == 200  # the admitted ones were not dropped
+
+
+def test_form_encoded_body_gets_the_fix_and_custom_metrics_are_exported(server):
+    import httpx
+
+    # `curl -d '{...}'` without a Content-Type: TorchServe parses a form and drops the body
+    r = post(server, "tiny-cont", b'{"prompt": "Hi", "max_new_tokens": 3}',
+             headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status == 400
+    err = r.json()["error"]
+    assert err["field"] == "body" and "Content-Type: application/json" in err["message"]
+    post(server, "tiny-cont", {"prompt": "Hi", "max_new_tokens": 3})
+    metrics = httpx.get(f"{server.metrics_url}/metrics", timeout=10).text
+    for name in ("TimeToFirstToken_count", "GeneratedTokens", "EngineQueueTime_count"):
+        assert f'{name}{{ModelName="tiny-cont"' in metrics.replace(" ", ""), name

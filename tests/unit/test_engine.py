@@ -103,7 +103,7 @@ def test_metrics_observed():
     submit(engine, "a", 100, 3, {})
     run(engine)
     names = [s[0] for s in seen]
-    assert names.count("TimeToFirstToken") == 1 and "QueueTime" in names
+    assert names.count("TimeToFirstToken") == 1 and "EngineQueueTime" in names
     assert ("GeneratedTokens", 3, "count") in seen
 
 
