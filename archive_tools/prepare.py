@@ -193,7 +193,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "generation_config.json and tokenizer files. Tensors are streamed, not loaded as a model."
         "\n\nexamples:\n  inf2serve prepare ~/hf/Llama-2-7b-hf work/llama-7b --amp bf16\n"
         "  inf2serve prepare ~/hf/Llama-2-7b-hf work/llama-7b-split --legacy-split "
-        "--config model_configs/llama-2-7b-inf2.yaml",
+        "--config model_configs/llama-2-7b/inf2.xlarge-latency.yaml",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="Hugging Face checkpoint directory")
     p.add_argument("out", help="output directory (written atomically)")

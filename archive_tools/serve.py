@@ -197,12 +197,16 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
     with open(run_dir / "torchserve.out", "ab") as out:
         subprocess.run(cmd, cwd=run_dir, env=_server_env(run_dir, env), stdout=out,
                        stderr=subprocess.STDOUT, check=True, timeout=120)
-    pid = _pid(run_dir)
-    inference_token, management_token = read_tokens(run_dir)
-    server = Server(run_dir, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
-                    f"http://127.0.0.1:{ports[2]}", inference_token, management_token, pid or -1)
-    (run_dir / "server.json").write_text(json.dumps(server.__dict__, default=str))
     try:
+        pid = _pid(run_dir)
+        if pid is None:
+            raise Inf2ServeError(f"TorchServe wrote no pid file; see {run_dir / 'torchserve.out'}")
+        inference_token, management_token = read_tokens(run_dir)
+        server = Server(run_dir, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
+                        f"http://127.0.0.1:{ports[2]}", inference_token, management_token, pid)
+        # addresses only: the tokens stay in TorchServe's own key_file.json
+        public = {k: str(v) for k, v in server.__dict__.items() if not k.endswith("_token")}
+        (run_dir / "server.json").write_text(json.dumps(public))
         wait_ready(server, models, ready_timeout_s)
     except BaseException:
         stop(run_dir)
@@ -223,7 +227,8 @@ def stop(run_dir: Path = DEFAULT_RUN_DIR, timeout_s: float = 60) -> bool:
     if _alive(pid):
         os.kill(pid, signal.SIGKILL)
     _kill_workers(run_dir)
-    (run_dir / "key_file.json").unlink(missing_ok=True)
+    for name in ("key_file.json", "server.json"):
+        (run_dir / name).unlink(missing_ok=True)
     return True
 
 

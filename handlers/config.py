@@ -185,6 +185,18 @@ def _cross_check(cfg: ModelConfig) -> None:
         raise ConfigError(
             f"handler.defaults.max_new_tokens: {h.defaults.max_new_tokens} exceeds "
             f"handler.max_new_tokens_limit {h.max_new_tokens_limit}")
+    d = h.defaults
+    if not (0.0 < d.top_p <= 1.0) or d.temperature > 100.0:
+        raise ConfigError(f"handler.defaults: top_p {d.top_p} must be in (0, 1] and temperature "
+                          f"{d.temperature} in [0, 100], the ranges a request may ask for")
+    n = h.neuron
+    bad = [x for x in n.context_length_estimate
+           if isinstance(x, bool) or not isinstance(x, int) or not 0 < x <= h.max_length]
+    if bad:
+        raise ConfigError(f"handler.neuron.context_length_estimate: {bad} are not prefill lengths; "
+                          f"use integers in [1, handler.max_length {h.max_length}]")
+    if not all(isinstance(f, str) for f in n.compiler_flags):
+        raise ConfigError("handler.neuron.compiler_flags: expected a list of strings")
     if not fe.async_communication:
         raise ConfigError(
             "asyncCommunication: must be true; the handler streams every request on its own and "
@@ -205,9 +217,10 @@ def _cross_check(cfg: ModelConfig) -> None:
 
 def parse_config(data: dict[str, Any] | None) -> ModelConfig:
     """Build a validated ModelConfig from the YAML mapping (TorchServe keys + `handler:`)."""
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"model-config.yaml: expected a mapping at the top level, got "
+                          f"{type(data).__name__}")
     data = dict(data or {})
-    if not isinstance(data, dict):
-        raise ConfigError("model-config.yaml: expected a mapping at the top level")
     handler = data.pop("handler", {}) or {}
     if not isinstance(handler, dict):
         raise ConfigError("handler: expected a mapping")

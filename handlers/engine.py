@@ -82,28 +82,53 @@ class Engine:
             cancelled = self.scheduler.take_cancelled()
             newcomers = self.scheduler.admit()
         if cancelled:
-            self.backend.release(cancelled)
+            self.backend.release([slot for slot, _ in cancelled])
+            for _, seq in cancelled:
+                _emit(seq, ErrorEvent(499, "cancelled"))
         if newcomers:
             now = time.monotonic()
             for seq in newcomers:
                 self._observe("EngineQueueTime", (now - seq.arrived_at) * 1000, "ms")
-            self._call(newcomers, lambda: self.backend.prefill(
-                [s.slot for s in newcomers], [s.prompt_ids for s in newcomers],
-                [s.sampling for s in newcomers]), "prefill")
+            self._prefill(newcomers)
         with self._cond:
             batch = [s for s in self.scheduler.running.values() if not s.cancelled]
         if batch:
             self._call(batch, lambda: self.backend.decode([s.slot for s in batch]), "decode")
 
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Micro: the micro-batch lives or dies together (as the reference does). Continuous:
+        newcomers share one call, and if it fails each is retried alone so only the culprit
+        fails."""
+        def run(group: list[Sequence]) -> list[int]:
+            return self.backend.prefill([s.slot for s in group], [s.prompt_ids for s in group],
+                                        [s.sampling for s in group])
+
+        if self.scheduler.policy == "micro" or len(seqs) == 1:
+            self._call(seqs, lambda: run(seqs), "prefill")
+            return
+        try:
+            tokens = run(seqs)
+        except Exception:
+            logger.warning("prefill of %d newcomers failed; retrying one by one", len(seqs))
+            for seq in seqs:
+                self._call([seq], lambda s=seq: run([s]), "prefill")
+            return
+        self._deliver(seqs, tokens, "prefill")
+
     def _call(self, seqs: list[Sequence], fn: Callable[[], list[int]], what: str) -> None:
         try:
             tokens = fn()
-            if len(tokens) != len(seqs):
-                raise RuntimeError(f"{what} returned {len(tokens)} tokens for {len(seqs)} "
-                                   "sequences")
-        except Exception as exc:
-            logger.exception("%s failed for %d sequence(s)", what, len(seqs))
-            self._fail(seqs, 500, f"generation failed in {what}: {type(exc).__name__}: {exc}")
+        except Exception:
+            ids = ", ".join(s.request_id for s in seqs)
+            logger.exception("%s failed for request(s) %s", what, ids)
+            self._fail(seqs, 500, f"generation failed ({what}); the worker log has the details")
+            return
+        self._deliver(seqs, tokens, what)
+
+    def _deliver(self, seqs: list[Sequence], tokens: list[int], what: str) -> None:
+        if len(tokens) != len(seqs):
+            logger.error("%s returned %d tokens for %d sequences", what, len(tokens), len(seqs))
+            self._fail(seqs, 500, f"generation failed ({what}); the worker log has the details")
             return
         for seq, token in zip(seqs, tokens, strict=True):
             self._advance(seq, token)

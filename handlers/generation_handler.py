@@ -78,9 +78,13 @@ class GenerationHandler:
             writer = StreamWriter(context, idx)
             try:
                 return await self.serve_one(writer, item)
-            except Exception as exc:  # an exception here would fail every in-flight request
+            except Exception:  # an exception here would fail every in-flight request
                 logger.exception("request %s failed", context.get_request_id(idx))
-                return writer.fail(500, native_framer(False, "").error(500, repr(exc)))
+                message = "internal error; the worker log has the details"
+                framer = native_framer(False, "")
+                if writer.started:
+                    return framer.error(500, message, in_stream=True)
+                return writer.fail(500, framer.error(500, message))
 
         return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(data))))
 
@@ -102,7 +106,11 @@ class GenerationHandler:
         except CapacityError as exc:
             return writer.fail(503, framer.error(503, str(exc)),
                                {"Retry-After": str(exc.retry_after_s)})
-        return await self.stream(writer, framer, events)
+        try:
+            return await self.stream(writer, framer, events)
+        except BaseException:  # the coroutine was cancelled or the socket failed: free the slot
+            self.service.engine.cancel(context.get_request_id(idx))
+            raise
 
     async def stream(self, writer: StreamWriter, framer: Framer, events: asyncio.Queue) -> str:
         """Forward events until the sequence ends; the return value is the last piece.

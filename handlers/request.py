@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +83,7 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float,
            lo_open: bool = False) -> float:
     value = body.get(name, default)
     rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RequestError(name, f"expected a number in {rng}, got {value!r}")
     if value < lo or value > hi or (lo_open and value == lo):
         raise RequestError(name, f"{value} is out of range; allowed {rng}")
@@ -138,11 +139,13 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
                              stream_format=fmt, details=details)
 
 
-def check_length(prompt_tokens: int, max_new_tokens: int, max_length: int) -> None:
+def check_length(prompt_tokens: int, max_new_tokens: int, max_length: int,
+                 max_prompt_length: int | None = None) -> None:
     """Reject prompts that cannot fit the compiled/configured context."""
-    if prompt_tokens >= max_length:
-        raise RequestError("prompt", f"{prompt_tokens} tokens; at most {max_length - 1} fit in "
-                           f"max_length {max_length}")
+    limit = min(max_length - 1, max_prompt_length or max_length)
+    if prompt_tokens > limit:
+        raise RequestError("prompt", f"{prompt_tokens} tokens; at most {limit} fit (max_length "
+                           f"{max_length}, longest prefill {limit})")
     if prompt_tokens + max_new_tokens > max_length:
         raise RequestError("max_new_tokens", f"{max_new_tokens} with a {prompt_tokens}-token "
                            f"prompt exceeds max_length {max_length}; allowed [1, "

@@ -175,10 +175,10 @@ class Scheduler:
                 return seq
         return None
 
-    def take_cancelled(self) -> list[int]:
-        """Finish running sequences marked cancelled; return their slots for the backend."""
+    def take_cancelled(self) -> list[tuple[int, Sequence]]:
+        """Finish running sequences marked cancelled; return (slot, sequence) for the backend."""
         gone = [s for s in self.running.values() if s.cancelled]
-        return [slot for slot in (self.finish(s) for s in gone) if slot is not None]
+        return [(slot, s) for s in gone if (slot := self.finish(s)) is not None]
 
     def has_work(self) -> bool:
         return bool(self.running) or bool(self.waiting)

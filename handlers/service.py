@@ -59,7 +59,8 @@ class GenerationService:
     def submit(self, request_id: str, request: GenerationRequest, prompt_ids: list[int],
                loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Event]:
         """Queue the request; its events arrive on the returned queue (raises on 4xx/503)."""
-        check_length(len(prompt_ids), request.max_new_tokens, self.backend.max_length)
+        check_length(len(prompt_ids), request.max_new_tokens, self.backend.max_length,
+                     getattr(self.backend, "max_prompt_length", None))
         events: asyncio.Queue[Event] = asyncio.Queue()
         seq = Sequence(request_id=request_id, prompt_ids=prompt_ids,
                        max_new_tokens=request.max_new_tokens, sampling=request.sampling,

@@ -18,10 +18,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below GREEDY_BELOW = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None
@@ -29,7 +31,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # dividing logits by a near-zero temperature overflows; it means argmax anyway
+        return self.temperature < GREEDY_BELOW
 
 
 class Backend(ABC):
@@ -39,6 +42,8 @@ class Backend(ABC):
     batch_size: int
     #: positions per sequence: prompt + generated tokens
     max_length: int
+    #: longest prompt a prefill accepts (Neuron: the largest compiled bucket)
+    max_prompt_length: int
     #: token ids that end a sequence
     eos_token_ids: frozenset[int]
 

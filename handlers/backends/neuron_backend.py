@@ -19,6 +19,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,8 @@ class NeuronBackend(Backend):
         n = config.neuron
         self.batch_size = config.batch_size
         self.max_length = config.max_length
+        # checked at submit, so a too-long prompt is a 400 for that request, not a failed batch
+        self.max_prompt_length = min(context_buckets(config)[-1], config.max_length - 1)
         self._claim = claim_cores(n, available_cores(n))
         try:
             apply_neuron_env(neuron_env(config, self._claim.cores, model_dir))
@@ -289,11 +292,15 @@ class _MicroRunner:
         if self.rows or self.thread is None:
             return
         self.streamer.cancelled.set()
-        while self.thread.is_alive():  # unblock a put() waiting on the full queue
-            try:
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            try:  # unblock a put() waiting on the full queue
                 self.streamer.steps.get(timeout=0.05)
             except queue.Empty:
                 pass
+        if self.thread.is_alive():  # the SDK is stuck: let TorchServe restart this worker
+            raise GenerationError(f"sample() did not stop within {STEP_TIMEOUT_S:.0f}s of "
+                                  "release; the Neuron runtime is stuck")
         self.thread.join()
         self.thread, self.streamer = None, None
 

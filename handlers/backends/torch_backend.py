@@ -62,6 +62,7 @@ class TorchBackend(Backend):
             raise ConfigError(f"handler.max_length: {config.max_length} exceeds the model's "
                               f"max_position_embeddings {positions}; lower it")
         self.max_length = config.max_length
+        self.max_prompt_length = config.max_length - 1
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.model.config.eos_token_id
@@ -84,15 +85,14 @@ class TorchBackend(Backend):
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)  # [n, L]
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [n, L] positions count real tokens only
+        samplers = [RowSampler(p, self.eos_token_ids, self.device) for p in params]
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          past_key_values=cache, use_cache=True)
-        tokens = []
-        for i, (slot, prompt, p) in enumerate(zip(slots, prompts, params, strict=True)):
-            sampler = RowSampler(p, self.eos_token_ids, self.device)
-            token = sampler(out.logits[i, -1])
-            self._rows.append(_Row(slot, len(prompt), token, sampler))
-            tokens.append(token)
+        tokens = [sampler(out.logits[i, -1]) for i, sampler in enumerate(samplers)]
+        # nothing above touched the running batch, so a failure leaves it as it was
+        self._rows += [_Row(slot, len(prompt), token, sampler) for slot, prompt, token, sampler
+                       in zip(slots, prompts, tokens, samplers, strict=True)]
         self._append_rows(cache, mask)
         return tokens
 

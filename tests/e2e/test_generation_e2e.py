@@ -9,7 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.e2e.harness import ArchiveSpec, attach_logs_fixture, build_store, post, running_server
+from tests.e2e.harness import (
+    ArchiveSpec,
+    attach_logs_fixture,
+    build_store,
+    logs,
+    post,
+    running_server,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -163,7 +170,8 @@ def test_failure_in_one_micro_batch_fails_only_it(server):
     r = post(server, "tiny-faulty", {"prompt": "please FAIL now", "max_new_tokens": 8},
              timeout=60)
     assert r.status == 500, r.body
-    assert "injected failure" in r.json()["error"]["message"]
+    assert "generation failed (prefill)" in r.json()["error"]["message"]
+    assert "injected failure" in logs(server.run_dir)  # the details stay in the worker log
     assert r.ended - r.started < 30  # answered, not left to the response timeout
     r = post(server, "tiny-faulty", {"prompt": "fine", "max_new_tokens": 8, "min_new_tokens": 8,
                                      "stream_format": "ndjson"})

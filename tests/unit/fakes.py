@@ -18,6 +18,7 @@ class CountingBackend(Backend):
                  fail_prefill_on: int | None = None, fail_decode_at: int | None = None):
         self.batch_size = batch_size
         self.max_length = max_length
+        self.max_prompt_length = max_length - 1
         self.eos_token_ids = frozenset([eos])
         self.last: dict[int, int] = {}
         self.calls: list[tuple[str, tuple[int, ...]]] = []

@@ -27,10 +27,20 @@ def test_shipped_tiny_config_loads_and_round_trips():
     ({"asyncCommunication": False}, "asyncCommunication: must be true"),
     ({"continuousBatching": True}, "continuousBatching: must be false"),
     ({"handler": {"neuron": {"tp_degre": 2}}}, "handler.neuron.tp_degre: unknown key"),
+    ({"handler": {"defaults": {"top_p": 0}}}, "top_p 0.0 must be in"),
+    ({"handler": {"defaults": {"temperature": 200}}}, "temperature 200.0 in"),
+    ({"handler": {"neuron": {"context_length_estimate": ["a"]}}}, "not prefill lengths"),
+    ({"handler": {"max_length": 512, "max_new_tokens_limit": 256,
+                  "neuron": {"context_length_estimate": [1024]}}}, "not prefill lengths"),
 ])
 def test_errors_name_the_key_and_the_fix(data, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(data)
+
+
+def test_top_level_must_be_a_mapping():
+    with pytest.raises(ConfigError, match="got list"):
+        parse_config([1, 2])
 
 
 def test_yaml_errors(tmp_path):

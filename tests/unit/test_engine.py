@@ -128,3 +128,25 @@ def test_thread_loop_serves_and_stops():
     finally:
         engine.stop()
     assert text(events) == "efg"
+
+
+def test_continuous_prefill_failure_spares_the_newcomers_admitted_with_it():
+    engine, backend, _ = make(fail_prefill_on=666)
+    ev = {}
+    submit(engine, "good", 100, 3, ev)
+    submit(engine, "bad", 666, 3, ev)  # both admitted in the same step
+    run(engine)
+    assert isinstance(ev["bad"][-1], ErrorEvent) and ev["bad"][-1].status == 500
+    assert isinstance(ev["good"][-1], FinishEvent) and text(ev["good"]) == "efg"
+    assert "injected" not in ev["bad"][-1].message  # details stay in the log
+
+
+def test_cancelling_a_running_request_ends_its_stream_and_frees_the_slot():
+    engine, backend, _ = make()
+    ev = {}
+    submit(engine, "a", 100, 50, ev)
+    engine.step()
+    engine.cancel("a")
+    engine.step()
+    assert isinstance(ev["a"][-1], ErrorEvent) and ev["a"][-1].status == 499
+    assert engine.scheduler.running == {} and backend.last == {}

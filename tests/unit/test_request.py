@@ -28,6 +28,8 @@ def test_json_body_as_bytes_without_content_type():
     ({"prompt": "x", "max_new_tokens": "5"}, "max_new_tokens"),
     ({"prompt": "x", "max_new_tokens": True}, "max_new_tokens"),
     ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "x", "top_p": float("inf")}, "top_p"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "top_k": -1}, "top_k"),
@@ -66,3 +68,14 @@ def test_length_checks_name_prompt_or_max_new_tokens():
     with pytest.raises(RequestError) as err:
         check_length(100, 29, 128)
     assert err.value.field == "max_new_tokens" and "[1, 28]" in err.value.message
+
+
+def test_near_zero_temperature_is_greedy():
+    assert parse_request({"prompt": "x", "temperature": 1e-40}, CFG).sampling.greedy
+    assert not parse_request({"prompt": "x", "temperature": 0.5}, CFG).sampling.greedy
+
+
+def test_backend_prompt_limit_is_checked_at_submit():
+    with pytest.raises(RequestError) as err:
+        check_length(65, 1, 128, max_prompt_length=64)
+    assert err.value.field == "prompt" and "64" in err.value.message

@@ -54,7 +54,7 @@ def test_cancel_waiting_and_running():
     s.admit()
     assert s.cancel("b") is b and b not in s.waiting
     assert s.cancel("a") is a
-    assert s.take_cancelled() == [0]
+    assert s.take_cancelled() == [(0, a)]
     assert not s.has_work()
     assert s.cancel("nope") is None
 
