@@ -11,6 +11,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from archive_tools.fileops import human
 from handlers.errors import Inf2ServeError
 from neuron_cache.maintain import (
     execute_pack,
@@ -23,14 +24,6 @@ from neuron_cache.maintain import (
 from neuron_cache.store import CacheStore, Entry, read_entry, verify
 
 DEFAULT_DIR = "neuron_cache"
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _store(args: argparse.Namespace) -> CacheStore:
@@ -108,14 +101,15 @@ def _prune(args: argparse.Namespace) -> int:
     plan = plan_prune(store, older_than_s=parse_age(args.older_than) if args.older_than else None,
                       max_size=parse_size(args.max_size) if args.max_size else None,
                       corrupt=args.corrupt, now=time.time())
-    print(f"plan: remove {len(plan.removals)} entries ({human(plan.freed_bytes)}), keep "
-          f"{human(plan.kept_bytes)}")
+    entries, temps = len(plan.removals) - plan.temp_count, plan.temp_count
+    what = f"{entries} entries" + (f" and {temps} stale temp dirs" if temps else "")
+    print(f"plan: remove {what} ({human(plan.freed_bytes)}), keep {human(plan.kept_bytes)}")
     for r in plan.removals:
         print(f"  remove {r.path} ({human(r.size)}): {r.reason}")
     if args.dry_run or not plan.removals:
         return 0
     execute_prune(plan)
-    print(f"removed {len(plan.removals)} entries, freed {human(plan.freed_bytes)}")
+    print(f"removed {what}, freed {human(plan.freed_bytes)}")
     return 0
 
 
@@ -154,7 +148,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("ls", "list entries with sizes and SDK versions", _ls)
     q = add("verify", "check every file against its sha256; exit 1 if any entry is bad", _verify)
     q.add_argument("names", nargs="*", help="entries to check (default: all)")
-    q = add("prune", "remove old, oversized or corrupt entries (prints the plan first)", _prune)
+    q = add("prune", "remove old, oversized or corrupt entries and stale temp dirs (prints the "
+            "plan first)", _prune)
     q.add_argument("--older-than", metavar="AGE", help="e.g. 30d, 12h, 2w")
     q.add_argument("--max-size", metavar="SIZE", help="keep the newest entries within, e.g. 50GB")
     q.add_argument("--corrupt", action="store_true", help="also remove entries failing verify")

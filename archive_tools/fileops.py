@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from neuron_cache.store import fsync_dir, fsync_tree
+
 CHUNK = 8 << 20
 PROGRESS_MIN_BYTES = 64 << 20  # below this a bar is noise
 
@@ -94,10 +96,14 @@ def publish(built: Path, target: Path, trash: Path) -> None:
 
     A file replaces a file atomically (os.replace). A folder needs two renames; if
     the second fails the old folder is put back. `trash` lives on the same filesystem
-    (the caller's work dir) and is deleted by the caller.
+    (the caller's work dir) and is deleted by the caller. Every file and folder of the
+    build is fsynced before the rename and the parent after it, so a power loss leaves
+    either the old target or the complete new one.
     """
+    fsync_tree(built)  # once, here: it covers every writer (copies, zip, tar, safetensors)
     if built.is_file() and not target.is_dir():
         os.replace(built, target)
+        fsync_dir(target.parent)
         return
     old = None
     if target.exists() or target.is_symlink():
@@ -109,6 +115,7 @@ def publish(built: Path, target: Path, trash: Path) -> None:
         if old is not None:
             os.rename(old, target)
         raise
+    fsync_dir(target.parent)
 
 
 @contextmanager

@@ -2,7 +2,8 @@
 
 Removal renames an entry to a hidden temp name before deleting it, so a worker never
 sees half an entry; packing copies into a hidden temp directory in the target and
-renames it into place.
+renames it into place. Hidden `.tmp-*` directories that a killed compile, pack or
+removal left in the cache root are pruned once nothing has touched them for an hour.
 """
 
 from __future__ import annotations
@@ -10,18 +11,30 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from handlers.errors import CacheError, Inf2ServeError
-from neuron_cache.store import TMP_PREFIX, CacheStore, Entry, read_entry, verify
+from neuron_cache.store import (
+    TMP_PREFIX,
+    CacheStore,
+    Entry,
+    fsync_dir,
+    fsync_tree,
+    read_entry,
+    verify,
+)
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
                "GB": 10**9, "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
                "TIB": 2**40}
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+#: a `.tmp-*` directory untouched this long is left over (a live publish writes to it)
+STALE_TMP_S = 3600.0
 
 
 def parse_size(text: str) -> int:
@@ -48,6 +61,7 @@ class Removal:
     path: Path
     size: int
     reason: str
+    temp: bool = False  # a leftover `.tmp-*` directory, not an entry
 
 
 @dataclass(frozen=True)
@@ -59,17 +73,43 @@ class PrunePlan:
     def freed_bytes(self) -> int:
         return sum(r.size for r in self.removals)
 
+    @property
+    def temp_count(self) -> int:
+        return sum(r.temp for r in self.removals)
+
 
 def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _stale_temps(store: CacheStore, now: float, stale_s: float) -> list[Removal]:
+    """`.tmp-*` paths in the cache root whose newest mtime, anywhere inside, is stale_s old."""
+    if not store.root.is_dir():
+        return []
+    out = []
+    for path in sorted(store.root.iterdir()):
+        if not path.name.startswith(TMP_PREFIX):
+            continue
+        try:
+            inside = list(path.rglob("*")) if path.is_dir() and not path.is_symlink() else []
+            stats = [path.lstat(), *(p.lstat() for p in inside)]
+        except FileNotFoundError:  # finished or removed while we looked
+            continue
+        idle = now - max(st.st_mtime for st in stats)
+        if idle > stale_s:
+            size = sum(st.st_size for st in stats if stat.S_ISREG(st.st_mode))
+            out.append(Removal(path, size, f"temporary directory untouched for {idle / 3600:.1f} "
+                               "h (left by an interrupted compile, pack or prune)", temp=True))
+    return out
+
+
 def plan_prune(store: CacheStore, *, older_than_s: float | None = None,
                max_size: int | None = None, corrupt: bool = False,
-               now: float | None = None) -> PrunePlan:
-    """Entries to remove: corrupt ones (if asked), older than the age, then oldest-first to fit."""
+               now: float | None = None, stale_tmp_s: float = STALE_TMP_S) -> PrunePlan:
+    """What to remove: stale temp dirs, corrupt entries (if asked), entries older than the age,
+    then the oldest entries until the rest fit in max_size."""
     now = time.time() if now is None else now
-    removals: list[Removal] = []
+    removals = _stale_temps(store, now, stale_tmp_s)
     kept: list[Entry] = []
     for path in store.entry_paths():
         try:
@@ -97,16 +137,35 @@ def plan_prune(store: CacheStore, *, older_than_s: float | None = None,
     return PrunePlan(tuple(removals), kept_bytes=total)
 
 
+def _key_lock(path: Path):
+    """The lock a worker holds while it compiles, publishes or re-checks this entry's key."""
+    try:
+        digest = read_entry(path).digest
+    except CacheError:  # unreadable metadata: no key to lock, and no worker will load it
+        return nullcontext()
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return nullcontext()
+    return CacheStore(path.parent).lock_for(digest)
+
+
 def remove_entry(path: Path) -> None:
-    """Rename out of sight first (atomic), then delete."""
+    """Under the key's lock, rename out of sight (atomic); then delete, lock released."""
     hidden = path.with_name(f"{TMP_PREFIX}removing.{path.name}.{os.getpid()}")
-    os.rename(path, hidden)
+    with _key_lock(path):
+        os.rename(path, hidden)
     shutil.rmtree(hidden)
+
+
+def remove_temp(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def execute_prune(plan: PrunePlan) -> None:
     for removal in plan.removals:
-        remove_entry(removal.path)
+        (remove_temp if removal.temp else remove_entry)(removal.path)
 
 
 @dataclass(frozen=True)
@@ -149,6 +208,8 @@ def execute_pack(plan: PackPlan) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{entry.name}.", dir=dest.parent))
         try:
             shutil.copytree(entry.path, tmp / "entry")
+            fsync_tree(tmp / "entry")
             os.rename(tmp / "entry", dest)
+            fsync_dir(dest.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

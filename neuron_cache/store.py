@@ -8,6 +8,7 @@ caught before the runtime ever loads it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -61,6 +62,39 @@ def write_json_atomic(path: Path, data: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _fsync(path: Path, *, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some file systems cannot fsync a directory; nothing more to do
+        if not directory or exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename into it, new names) durable across power loss."""
+    _fsync(path, directory=True)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every regular file and directory under `root` (or `root` itself if a file).
+
+    Call before renaming a finished tree into place: a rename is atomic on a crash, but
+    after a power loss it may survive while the file data it points at did not.
+    """
+    if not root.is_dir():
+        _fsync(root)
+        return
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            path = Path(dirpath, name)
+            if path.is_file() and not path.is_symlink():  # a link is covered by its directory
+                _fsync(path)
+        fsync_dir(Path(dirpath))
 
 
 @dataclass(frozen=True)
@@ -176,7 +210,11 @@ class CacheStore:
         return entry
 
     def lock(self, inputs: KeyInputs) -> FileLock:
-        return FileLock(self.root / LOCKS / f"{inputs.digest[:32]}.lock")
+        return self.lock_for(inputs.digest)
+
+    def lock_for(self, digest: str) -> FileLock:
+        """The lock of the key with this digest (an entry's metadata `key`)."""
+        return FileLock(self.root / LOCKS / f"{digest[:32]}.lock")
 
     def publish(self, inputs: KeyInputs, write: Callable[[Path], None]) -> Entry:
         """Build an entry in a temp dir (`write(artifacts_dir)`), checksum it, rename into place.
@@ -199,6 +237,7 @@ class CacheStore:
                 "created_unix": now, "inputs": inputs.to_dict(), "files": files,
             })
             tmp.chmod(0o755)
+            fsync_tree(tmp)  # data on disk before the name that vouches for it
             final = self.root / inputs.entry_name
             try:
                 os.rename(tmp, final)
@@ -206,6 +245,7 @@ class CacheStore:
                 if (final / METADATA).exists():
                     return read_entry(final)
                 raise
+            fsync_dir(self.root)
             return read_entry(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -108,3 +108,51 @@ def test_parsers() -> None:
     assert parse_age("2w") == 14 * 86400 and parse_age("90m") == 5400
     with pytest.raises(Exception, match="e.g. 30d"):
         parse_age("30 days")
+
+
+def _temp_dir(root: Path, name: str, nbytes: int, age_s: float) -> Path:
+    """A `.tmp-*` directory like a killed publish leaves, every mtime `age_s` in the past."""
+    path = root / name
+    (path / "artifacts").mkdir(parents=True)
+    (path / "artifacts" / "g.neff").write_bytes(b"n" * nbytes)
+    when = time.time() - age_s
+    for p in (path / "artifacts" / "g.neff", path / "artifacts", path):
+        os.utime(p, (when, when))
+    return path
+
+
+def test_prune_plans_and_removes_stale_temp_dirs_only(cache: CacheStore, capsys) -> None:
+    stale = _temp_dir(cache.root, ".tmp-llama-killed.abc123", 5000, age_s=2 * 3600)
+    live = _temp_dir(cache.root, ".tmp-llama-publishing.def456", 7000, age_s=60)
+    args = ["cache", "prune", "--cache-dir", str(cache.root), "--older-than", "30d"]
+    assert main([*args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: remove 1 entries and 1 stale temp dirs (6.0 KB)" in out
+    assert f"remove {stale} (5.0 KB): temporary directory untouched for 2.0 h" in out
+    assert str(live) not in out and stale.exists()
+    assert main(args) == 0
+    assert not stale.exists() and live.exists()  # an in-progress publish is left alone
+    assert _names(cache) == ["b2", "b4"]
+
+
+def test_remove_waits_for_the_key_lock(cache: CacheStore) -> None:
+    import threading
+
+    from neuron_cache.maintain import remove_entry
+
+    entry = cache.entries()[0]
+    with cache.lock_for(entry.digest):  # a worker compiling or re-checking this key
+        remover = threading.Thread(target=remove_entry, args=(entry.path,))
+        remover.start()
+        time.sleep(0.5)
+        assert entry.path.exists() and remover.is_alive()
+    remover.join(timeout=10)
+    assert not remover.is_alive() and not entry.path.exists()
+
+
+def test_prune_corrupt_removes_unreadable_metadata_without_a_lock(cache: CacheStore) -> None:
+    victim = cache.entries()[1]
+    (victim.path / "metadata.json").write_text("{")
+    assert main(["cache", "prune", "--cache-dir", str(cache.root), "--corrupt"]) == 0
+    assert not victim.path.exists() and len(cache.entries()) == 2
+    assert not (cache.root / ".locks").exists()

@@ -151,3 +151,26 @@ def test_workers_starting_together_compile_once(tmp_path: Path) -> None:
     assert outs == ["compiled", "loaded", "loaded", "loaded"]
     assert len(counter.read_text().splitlines()) == 1
     assert len(CacheStore(tmp_path / "cache").entries()) == 1
+
+
+def test_publish_fsyncs_files_and_dirs_before_rename_and_root_after(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    from neuron_cache import store as store_mod
+
+    store, key = CacheStore(tmp_path), _key()
+    final = tmp_path / key.entry_name
+    synced: list[tuple[str, bool]] = []  # (name relative to the temp or cache dir, published?)
+    real = store_mod._fsync
+
+    def record(path: Path, *, directory: bool = False) -> None:
+        path = Path(path)
+        rel = "ROOT" if path == tmp_path else "/".join(path.relative_to(tmp_path).parts[1:])
+        synced.append((rel or "ENTRY", final.exists()))
+        real(path, directory=directory)
+
+    monkeypatch.setattr(store_mod, "_fsync", record)
+    store.publish(key, lambda d: Model().save(str(d)))
+    before = {name for name, published in synced if not published}
+    assert {"artifacts/a.neff", "artifacts/b.neff", "metadata.json", "artifacts",
+            "ENTRY"} <= before
+    assert synced[-1] == ("ROOT", True)

@@ -238,3 +238,23 @@ def test_bad_input_is_one_line_exit_2(ckpt: Path, tmp_path: Path, capsys, case: 
     assert code == 2
     assert err.startswith("error: ") and expected in err and err.count("\n") == 1, err
     assert tree(tmp_path) == before  # validated before anything was written
+
+
+def test_staged_fsyncs_the_build_before_rename_and_the_parent_after(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    from neuron_cache import store as store_mod
+
+    target = tmp_path / "store" / "model"
+    synced: list[tuple[str, bool]] = []  # (path name, target published?)
+    real = store_mod._fsync
+
+    def record(path: Path, *, directory: bool = False) -> None:
+        synced.append((Path(path).name, target.exists()))
+        real(path, directory=directory)
+
+    monkeypatch.setattr(store_mod, "_fsync", record)
+    with fileops.staged(target) as built:
+        (built / "sub").mkdir(parents=True)
+        (built / "sub" / "w.bin").write_bytes(b"w" * 10)
+    assert {("w.bin", False), ("sub", False), ("model", False)} <= set(synced)
+    assert synced[-1] == ("store", True)
