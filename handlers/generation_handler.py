@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from handlers.apis import Immediate, NativeApi, select_api
-from handlers.config import parse_config
+from handlers.backends.base import Backend
+from handlers.config import ModelConfig, parse_config
 from handlers.errors import CapacityError, RequestError
 from handlers.framing import Framer, native_framer
 from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
@@ -69,8 +70,8 @@ class GenerationHandler:
                                                 backend=self.make_backend(config, model_dir))
         self.initialized = True
 
-    def make_backend(self, config, model_dir):  # noqa: ANN001 - hook for subclasses and tests
-        """None = the configured backend; a subclass may wrap or replace it."""
+    def make_backend(self, config: ModelConfig, model_dir: Path) -> Backend | None:
+        """None = the configured backend; a subclass may wrap or replace it (tests do)."""
         return None
 
     async def handle(self, data: list[dict], context: Any) -> list[str]:
