@@ -56,11 +56,7 @@ def select_api(url_path: str | None) -> Api:
     if not path:
         return NativeApi()
     if path.startswith("v1/"):
-        try:
-            from handlers.openai_api import openai_api
-        except ModuleNotFoundError as exc:
-            if exc.name != "handlers.openai_api":
-                raise
-        else:
-            return openai_api(path)
+        from handlers.openai_api import openai_api  # here: it imports this module
+
+        return openai_api(path)
     raise RequestError("url_path", f"unknown endpoint {path!r}", status=404)

@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window
         self._read = 0  # end of the text already returned
+        self._prefix_text = ""  # decode of ids[prefix:read], cached: one decode per token
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tok.decode(self._ids[start:end], skip_special_tokens=True)
@@ -29,19 +30,20 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
         self._ids.append(token_id)
-        prefix_text = self._decode(self._prefix, self._read)
         new_text = self._decode(self._prefix)
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        if len(new_text) > len(self._prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(self._prefix_text):]
             self._prefix, self._read = self._read, len(self._ids)
-            return new_text[len(prefix_text):]
+            self._prefix_text = self._decode(self._prefix, self._read)
+            return delta
         return ""
 
     def flush(self) -> str:
         """Text still held back (an incomplete character at the very end)."""
-        prefix_text = self._decode(self._prefix, self._read)
         new_text = self._decode(self._prefix)
         self._prefix = self._read = len(self._ids)
-        return new_text[len(prefix_text):]
+        delta, self._prefix_text = new_text[len(self._prefix_text):], ""
+        return delta
 
 
 class StopMatcher:

@@ -11,7 +11,6 @@ and any unknown field, is rejected naming the field.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import time
@@ -24,7 +23,13 @@ from handlers.apis import Api, Immediate, Prepared
 from handlers.chat_template import encode_chat, render_chat
 from handlers.errors import RequestError
 from handlers.openai_framing import OpenAIErrorFramer, ResponseMeta, openai_framer
-from handlers.request import GenerationRequest, check_length, decode_body, parse_request
+from handlers.request import (
+    GenerationRequest,
+    check_length,
+    closest_hint,
+    decode_body,
+    parse_request,
+)
 
 # OpenAI field -> native field, for the fields we honour
 MAPPED = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
@@ -76,9 +81,8 @@ def check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, An
     body = {k: v for k, v in body.items() if v is not None}
     for key, value in body.items():
         if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise RequestError(str(key), f"unrecognized request argument{hint}")
+            raise RequestError(str(key), "unrecognized request argument"
+                               f"{closest_hint(key, allowed)}")
         if key in HARMLESS and not HARMLESS[key][0](value):
             raise RequestError(key, f"{value!r} is not supported; this server accepts only "
                                f"{HARMLESS[key][1]}")

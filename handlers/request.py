@@ -36,6 +36,12 @@ FIELDS = ("prompt", "max_new_tokens", "min_new_tokens", "temperature", "top_k", 
           "seed", "stream", "stream_format", "details")
 
 
+def closest_hint(name: str, valid: tuple[str, ...]) -> str:
+    """'; did you mean X?' for a misspelt field, or ''."""
+    close = difflib.get_close_matches(str(name), valid, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def decode_body(data: Any, content_type: str = "") -> dict[str, Any]:
     """TorchServe hands us a dict (JSON it decoded), a str (text/*) or raw bytes."""
     if isinstance(data, dict):
@@ -106,9 +112,8 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
     """Validate a decoded body against the configured defaults and limits."""
     for key in body:
         if key not in FIELDS and key not in extra_fields:
-            close = difflib.get_close_matches(str(key), FIELDS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise RequestError(str(key), f"unknown field{hint} (valid: {', '.join(FIELDS)})")
+            raise RequestError(str(key), f"unknown field{closest_hint(key, FIELDS)} "
+                               f"(valid: {', '.join(FIELDS)})")
     d = config.defaults
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():

@@ -68,7 +68,3 @@ class GenerationService:
                        sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         self.engine.submit(seq)
         return events
-
-    def close(self) -> None:
-        self.engine.stop()
-        self.backend.close()

@@ -8,7 +8,6 @@ server always stopped (no Java process left) -- its logs are attached to failure
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import shutil
 import time
@@ -30,7 +29,6 @@ BASE_CONFIG = Path(__file__).resolve().parents[2] / "model_configs" / "tiny-llam
 def make_config(path: Path, frontend: dict | None = None, handler: dict | None = None) -> Path:
     """The shipped tiny config with overrides, written to `path`."""
     data = yaml.safe_load(BASE_CONFIG.read_text())
-    data = copy.deepcopy(data)
     data.update(frontend or {})
     data["handler"].update(handler or {})
     path.write_text(yaml.safe_dump(data))
