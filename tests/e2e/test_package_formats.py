@@ -137,5 +137,16 @@ def test_sagemaker_export_serves_via_its_serve_script(store: Path, serving_pytho
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         model_dir.chmod(0o755)
-    with pytest.raises(httpx.TransportError):
-        httpx.get(f"http://127.0.0.1:{port}/ping", timeout=5)
+    _wait_gone(f"http://127.0.0.1:{port}/ping", 60)
+
+
+def _wait_gone(url: str, timeout_s: float) -> None:
+    """The shell exits before Java has finished shutting down: wait until the port refuses."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=2)
+        except httpx.TransportError:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"{url} still answers {timeout_s:.0f}s after the server was stopped")
