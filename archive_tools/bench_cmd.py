@@ -77,7 +77,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.prompts_file:
         prompts = loadgen.load_prompts(args.prompts_file)
     else:
-        prompts = loadgen.build_prompts(requests or 256, args.prompt_tokens, args.seed)
+        counter = loadgen.tokenizer_counter(args.tokenizer) if args.tokenizer else None
+        prompts = loadgen.build_prompts(requests or 256, args.prompt_tokens, args.seed, counter)
     params = loadgen.GenParams(args.max_new_tokens, args.min_new_tokens, args.temperature,
                                args.seed)
     results: bench_report.Results = {}
@@ -109,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
 
     meta = {"url": url, "label": args.label, "mode": args.mode, "prompt_tokens":
             None if args.prompts_file else args.prompt_tokens, "prompts_file": args.prompts_file,
+            "tokenizer": str(args.tokenizer) if args.tokenizer else None,
             "max_new_tokens": args.max_new_tokens, "min_new_tokens": args.min_new_tokens,
             "temperature": args.temperature, "seed": args.seed,
             "price_per_hour": args.price_per_hour, "timeout_s": args.timeout}
@@ -148,6 +150,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     prompts.add_argument("--prompt-tokens", type=int, default=30,
                          help="generated prompts of about this many tokens (default 30)")
     prompts.add_argument("--prompts-file", help="one prompt per line (or JSONL with \"prompt\")")
+    p.add_argument("--tokenizer", type=Path,
+                   help="local tokenizer directory that sizes --prompt-tokens exactly "
+                   "(default: one word counts as one token)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--min-new-tokens", type=int, default=0,
                    help="suppress EOS until this many tokens, for equal-length outputs")

@@ -80,18 +80,40 @@ def _words() -> list[str]:
     return sorted({w for w in re.findall(r"[a-z]+", text.lower()) if 2 <= len(w) <= 8})
 
 
-def build_prompts(n: int, prompt_tokens: int, seed: int = 0) -> list[str]:
+def build_prompts(n: int, prompt_tokens: int, seed: int = 0,
+                  count_tokens: Callable[[str], int] | None = None) -> list[str]:
     """`n` different prompts of about `prompt_tokens` tokens each, reproducible from `seed`.
 
-    Built from the short common words of the shipped corpus, which are one token
-    each in Llama tokenizers and in the demo tokenizer, so one word ~ one token.
-    Distinct prompts keep any prefix cache from flattering the numbers.
+    Built from the short common words of the shipped corpus. Without `count_tokens`
+    one word counts as one token (about right for Llama tokenizers); with it, words
+    are added until the prompt reaches `prompt_tokens` -- the demo tokenizer splits
+    most words into several tokens, so the bench passes it. Distinct prompts keep
+    any prefix cache from flattering the numbers.
     """
     if prompt_tokens < 1:
         raise BenchError(f"--prompt-tokens {prompt_tokens} must be >= 1")
     words = _words()
     rng = random.Random(seed)
-    return [" ".join(rng.choice(words) for _ in range(prompt_tokens)) for _ in range(max(n, 1))]
+    prompts = []
+    for _ in range(max(n, 1)):
+        count = count_tokens or (lambda text: len(text.split()))
+        picked = [rng.choice(words)]
+        while count(" ".join(picked)) < prompt_tokens:
+            picked.append(rng.choice(words))
+        prompts.append(" ".join(picked))
+    return prompts
+
+
+def tokenizer_counter(path: str | Path) -> Callable[[str], int]:
+    """Token count of a text with a local tokenizer directory (no download)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"--tokenizer {path}: cannot load a tokenizer there; pass the "
+                         "checkpoint directory that holds tokenizer.json") from exc
+    return lambda text: len(tok(text)["input_ids"])
 
 
 def load_prompts(path: str | Path) -> list[str]:

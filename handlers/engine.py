@@ -52,6 +52,38 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="inf2serve-engine", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def launch(cls, build: Callable[[], tuple[Backend, Scheduler]],
+               observer: Observer | None = None) -> Engine:
+        """Build the backend on the engine's own thread, then run the loop on it.
+
+        torch's OpenMP pool belongs to the thread that runs an op: a model loaded and
+        warmed up on one thread and stepped on another has two pools, more threads
+        than cores, and libgomp then stops spinning between ops -- decode steps of the
+        bench model measured ~40% slower. So load, warm-up and every step share one
+        thread. Exceptions from `build` are raised here, in the caller.
+        """
+        built: list[Engine | BaseException] = []
+        ready = threading.Event()
+
+        def main() -> None:
+            try:
+                engine = cls(*build(), observer)
+            except BaseException as exc:  # handed to the caller, which re-raises it
+                built.append(exc)
+                ready.set()
+                return
+            engine._thread = threading.current_thread()
+            built.append(engine)
+            ready.set()
+            engine._run()
+
+        threading.Thread(target=main, name="inf2serve-engine", daemon=True).start()
+        ready.wait()
+        if isinstance(built[0], BaseException):
+            raise built[0]
+        return built[0]
+
     def stop(self, timeout_s: float = 10) -> None:
         with self._cond:
             self._stopping = True

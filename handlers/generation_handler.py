@@ -66,12 +66,15 @@ class GenerationHandler:
     def initialize(self, context: Any) -> None:
         config = parse_config(context.model_yaml_config)
         model_dir = Path(context.system_properties["model_dir"])
-        self.service = GenerationService.create(config, model_dir, self._observer(context),
-                                                backend=self.make_backend(config, model_dir))
+        self.service = GenerationService.create(
+            config, model_dir, self._observer(context),
+            make_backend=lambda: self.make_backend(config, model_dir))
         self.initialized = True
 
     def make_backend(self, config: ModelConfig, model_dir: Path) -> Backend | None:
-        """None = the configured backend; a subclass may wrap or replace it (tests do)."""
+        """None = the configured backend; a subclass may wrap or replace it (tests do).
+
+        Called on the engine thread, which runs every model call."""
         return None
 
     async def handle(self, data: list[dict], context: Any) -> list[str]:

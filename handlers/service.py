@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,20 +39,24 @@ class GenerationService:
 
     @classmethod
     def create(cls, config: ModelConfig, model_dir: Path, observer: Observer | None = None,
-               backend: Backend | None = None) -> GenerationService:
+               make_backend: Callable[[], Backend | None] | None = None) -> GenerationService:
+        """`make_backend` (None = the configured backend) runs on the engine thread."""
         h = config.handler
         start = time.monotonic()
         tokenizer = load_tokenizer((model_dir / h.checkpoint).resolve())
-        backend = backend or load_backend(h, model_dir)
-        if h.warmup:
-            backend.warmup()
-        scheduler = Scheduler(backend.batch_size, h.batching, h.effective_micro_batch_size,
-                              h.max_queue, h.batch_delay_ms / 1000)
-        engine = Engine(backend, scheduler, observer)
-        engine.start()
+
+        def build() -> tuple[Backend, Scheduler]:
+            backend = (make_backend and make_backend()) or load_backend(h, model_dir)
+            if h.warmup:
+                backend.warmup()
+            return backend, Scheduler(backend.batch_size, h.batching,
+                                      h.effective_micro_batch_size, h.max_queue,
+                                      h.batch_delay_ms / 1000)
+
+        engine = Engine.launch(build, observer)
         logger.info("model ready in %.1fs: backend=%s batching=%s slots=%d", time.monotonic() -
-                    start, h.backend, h.batching, backend.batch_size)
-        return cls(config, tokenizer, backend, engine)
+                    start, h.backend, h.batching, engine.backend.batch_size)
+        return cls(config, tokenizer, engine.backend, engine)
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from handlers.backends.base import Backend, SamplingParams
 from handlers.config import HandlerConfig
@@ -27,6 +28,46 @@ from handlers.errors import ConfigError
 from handlers.sampling import RowSampler
 
 logger = logging.getLogger(__name__)
+
+
+class _AppendLayer(DynamicLayer):
+    """A DynamicLayer that appends into spare capacity instead of re-concatenating.
+
+    `DynamicLayer.update` copies the whole layer cache every step (torch.cat); on the
+    bench model that was ~8% of a decode step. Here `keys`/`values` are prefix views of
+    buffers with room to grow; when the backend replaces them (rows cut out, rows
+    joined) the next update copies them once into fresh buffers.
+    """
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not self._is_view_with_room(key_states):
+            self._regrow(key_states)
+        length, added = self.get_seq_length(), key_states.shape[-2]
+        self._kbuf[:, :, length:length + added] = key_states
+        self._vbuf[:, :, length:length + added] = value_states
+        self.keys = self._kbuf[:, :, :length + added]
+        self.values = self._vbuf[:, :, :length + added]
+        return self.keys, self.values
+
+    def _is_view_with_room(self, new: torch.Tensor) -> bool:
+        buf = getattr(self, "_kbuf", None)
+        return (buf is not None and self.keys.data_ptr() == buf.data_ptr()
+                and self.keys.shape[:2] == buf.shape[:2] == new.shape[:2]
+                and self.keys.shape[2] + new.shape[2] <= buf.shape[2])
+
+    def _regrow(self, new: torch.Tensor) -> None:
+        length = self.get_seq_length()
+        capacity = length + new.shape[-2] + max(64, length)  # amortized doubling
+        shape = (*new.shape[:2], capacity, new.shape[-1])
+        self._kbuf = new.new_empty(shape)
+        self._vbuf = new.new_empty(shape)
+        if length:
+            self._kbuf[:, :, :length] = self.keys
+            self._vbuf[:, :, :length] = self.values
+        self.keys, self.values = self._kbuf[:, :, :length], self._vbuf[:, :, :length]
 
 
 @dataclass
@@ -86,7 +127,7 @@ class TorchBackend(Backend):
                             device=self.device)  # [n, L]
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [n, L] positions count real tokens only
         samplers = [RowSampler(p, self.eos_token_ids, self.device) for p in params]
-        cache = DynamicCache(config=self.model.config)
+        cache = self._new_cache()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          past_key_values=cache, use_cache=True)
         tokens = [sampler(out.logits[i, -1]) for i, sampler in enumerate(samplers)]
@@ -138,6 +179,12 @@ class TorchBackend(Backend):
         self.release([slot])
 
     # -- batch cache ------------------------------------------------------------------
+    def _new_cache(self) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        if all(type(layer) is DynamicLayer for layer in cache.layers):  # not sliding-window
+            cache.layers = [_AppendLayer() for _ in cache.layers]
+        return cache
+
     def _append_rows(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         """Left-pad the new rows or the batch to a common length and concatenate."""
         if self._cache is None:

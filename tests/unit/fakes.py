@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from handlers.backends.base import Backend, SamplingParams
@@ -25,10 +26,15 @@ class CountingBackend(Backend):
         self.fail_prefill_on = fail_prefill_on
         self.fail_decode_at = fail_decode_at
         self.decodes = 0
+        self.threads = {threading.get_ident()}  # every thread that touched the "model"
+
+    def warmup(self) -> None:
+        self.threads.add(threading.get_ident())
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 params: Sequence[SamplingParams]) -> list[int]:
         self.calls.append(("prefill", tuple(slots)))
+        self.threads.add(threading.get_ident())
         if any(s in self.last for s in slots):
             raise ValueError("prefill into a busy slot")
         if self.fail_prefill_on is not None and any(self.fail_prefill_on in p for p in prompts):
@@ -39,6 +45,7 @@ class CountingBackend(Backend):
 
     def decode(self, slots: Sequence[int]) -> list[int]:
         self.calls.append(("decode", tuple(slots)))
+        self.threads.add(threading.get_ident())
         self.decodes += 1
         if set(slots) != set(self.last):
             raise ValueError(f"decode {sorted(slots)} but running {sorted(self.last)}")

@@ -11,7 +11,7 @@ import pytest
 from archive_tools import loadgen
 from archive_tools.bench_cmd import build_scenarios
 from archive_tools.bench_stats import BenchError, Scenario
-from archive_tools.loadgen import build_prompts, poisson_schedule, read_token
+from archive_tools.loadgen import build_prompts, poisson_schedule, read_token, tokenizer_counter
 
 
 def test_poisson_schedule_is_seeded_and_increasing():
@@ -54,6 +54,20 @@ def test_build_prompts_size_and_determinism():
     assert all(len(p.split()) == 30 for p in prompts)
     assert prompts == build_prompts(20, prompt_tokens=30, seed=5)
     assert all(w.isalpha() for p in prompts for w in p.split())
+
+
+def test_build_prompts_sized_by_a_tokenizer(tiny_checkpoint):
+    count = tokenizer_counter(tiny_checkpoint)
+    prompts = build_prompts(8, prompt_tokens=30, seed=1, count_tokens=count)
+    # the demo tokenizer splits words: fewer words than tokens, yet 30 tokens (+1 word at most)
+    assert all(30 <= count(p) < 30 + max(count(w) for w in p.split()) for p in prompts)
+    assert sum(len(p.split()) for p in prompts) < 8 * 30
+    assert prompts == build_prompts(8, prompt_tokens=30, seed=1, count_tokens=count)
+
+
+def test_tokenizer_counter_names_a_missing_tokenizer(tmp_path):
+    with pytest.raises(BenchError, match="--tokenizer .* tokenizer.json"):
+        tokenizer_counter(tmp_path)
 
 
 def test_load_prompts_text_and_jsonl(tmp_path):

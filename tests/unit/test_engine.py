@@ -1,3 +1,5 @@
+import pytest
+
 from handlers.backends.base import SamplingParams
 from handlers.engine import Engine
 from handlers.scheduler import ErrorEvent, FinishEvent, Scheduler, Sequence, TextEvent
@@ -128,6 +130,38 @@ def test_thread_loop_serves_and_stops():
     finally:
         engine.stop()
     assert text(events) == "efg"
+
+
+def test_launch_loads_warms_and_steps_the_backend_on_one_thread():
+    """torch's OpenMP pool is per thread: a second thread stepping the model is slower."""
+    import threading
+
+    def build():
+        backend = CountingBackend()
+        backend.warmup()
+        return backend, Scheduler(backend.batch_size, "continuous", 0)
+
+    done = threading.Event()
+    engine = Engine.launch(build)
+    try:
+        engine.submit(Sequence(request_id="t", prompt_ids=[100], max_new_tokens=3,
+                               sampling=SamplingParams(), stop=(), tokenizer=CharTokenizer(),
+                               sink=lambda e: isinstance(e, FinishEvent) and done.set()))
+        assert done.wait(5)
+    finally:
+        engine.stop()
+    assert engine.backend.decodes == 2
+    assert engine.backend.threads == {engine._thread.ident} != {threading.get_ident()}
+
+
+def test_launch_raises_the_build_error_in_the_caller():
+    from handlers.errors import ConfigError
+
+    def build():
+        raise ConfigError("handler.device: 'cuda' but no CUDA device is visible")
+
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        Engine.launch(build)
 
 
 def test_continuous_prefill_failure_spares_the_newcomers_admitted_with_it():

@@ -74,3 +74,25 @@ def test_misuse_is_rejected(setup):
     with pytest.raises(ValueError, match="running"):
         backend.decode([1])
     backend.release([0])
+
+
+def test_append_layer_matches_concatenation_without_copying_every_step():
+    from handlers.backends.torch_backend import _AppendLayer
+
+    torch.manual_seed(0)
+    layer, ref = _AppendLayer(), None
+    chunks = [torch.randn(3, 2, n, 4) for n in (5, 1, 1, 1)]
+    buffers = set()
+    for chunk in chunks:
+        keys, values = layer.update(chunk, -chunk)
+        ref = chunk if ref is None else torch.cat([ref, chunk], dim=2)
+        assert torch.equal(keys, ref) and torch.equal(values, -ref)
+        buffers.add(layer._kbuf.data_ptr())
+    assert len(buffers) == 1  # one-token steps wrote into the spare room
+
+    # the backend cuts a row out and trims a column: the next update adopts the new tensors
+    layer.keys, layer.values = ref[[0, 2], :, 1:], -ref[[0, 2], :, 1:]
+    step = torch.randn(2, 2, 1, 4)
+    keys, values = layer.update(step, -step)
+    want = torch.cat([ref[[0, 2], :, 1:], step], dim=2)
+    assert torch.equal(keys, want) and torch.equal(values, -want)
