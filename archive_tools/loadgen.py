@@ -94,9 +94,9 @@ def build_prompts(n: int, prompt_tokens: int, seed: int = 0,
         raise BenchError(f"--prompt-tokens {prompt_tokens} must be >= 1")
     words = _words()
     rng = random.Random(seed)
+    count = count_tokens or (lambda text: len(text.split()))
     prompts = []
     for _ in range(max(n, 1)):
-        count = count_tokens or (lambda text: len(text.split()))
         picked = [rng.choice(words)]
         while count(" ".join(picked)) < prompt_tokens:
             picked.append(rng.choice(words))

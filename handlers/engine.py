@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from handlers.backends.base import Backend
 from handlers.scheduler import ErrorEvent, Event, Scheduler, Sequence, TextEvent
@@ -63,26 +64,20 @@ class Engine:
         bench model measured ~40% slower. So load, warm-up and every step share one
         thread. Exceptions from `build` are raised here, in the caller.
         """
-        built: list[Engine | BaseException] = []
-        ready = threading.Event()
+        ready: Future[Engine] = Future()
 
         def main() -> None:
             try:
                 engine = cls(*build(), observer)
             except BaseException as exc:  # handed to the caller, which re-raises it
-                built.append(exc)
-                ready.set()
+                ready.set_exception(exc)
                 return
             engine._thread = threading.current_thread()
-            built.append(engine)
-            ready.set()
+            ready.set_result(engine)
             engine._run()
 
         threading.Thread(target=main, name="inf2serve-engine", daemon=True).start()
-        ready.wait()
-        if isinstance(built[0], BaseException):
-            raise built[0]
-        return built[0]
+        return ready.result()
 
     def stop(self, timeout_s: float = 10) -> None:
         with self._cond:
