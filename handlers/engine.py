@@ -2,7 +2,8 @@
 
 Each step admits newcomers (prefill), then decodes every running sequence once,
 so new requests join at the next step (continuous) or at the next micro-batch
-(micro). Results go to each request's sink as events. A backend failure fails the
+(micro); a backend that can does both in one call (`Backend.mixes_prefill`).
+Results go to each request's sink as events. A backend failure fails the
 sequences of that call only -- the newcomers of a prefill, or the batch of a
 decode -- and the loop keeps serving. Nothing here waits on a request: a sink
 must not block.
@@ -116,11 +117,38 @@ class Engine:
             now = time.monotonic()
             for seq in newcomers:
                 self._observe("EngineQueueTime", (now - seq.arrived_at) * 1000, "ms")
+            if self._packed(newcomers):
+                return
             self._prefill(newcomers)
         with self._cond:
             batch = [s for s in self.scheduler.running.values() if not s.cancelled]
         if batch:
             self._call(batch, lambda: self.backend.decode([s.slot for s in batch]), "decode")
+
+    def _packed(self, newcomers: list[Sequence]) -> bool:
+        """Continuous mode, on a backend that can: newcomers' prefill and the running
+        batch's decode as one call. False: nothing ran (or it failed and the backend
+        kept its batch), so the caller prefills and decodes them apart -- which also keeps
+        a bad newcomer from failing the running batch."""
+        if self.scheduler.policy != "continuous" or not self.backend.mixes_prefill:
+            return False
+        new = {id(s) for s in newcomers}
+        with self._cond:
+            running = [s for s in self.scheduler.running.values()
+                       if not s.cancelled and id(s) not in new]
+        if not running:
+            return False
+        try:
+            first, following = self.backend.step(
+                [s.slot for s in newcomers], [s.prompt_ids for s in newcomers],
+                [s.sampling for s in newcomers], [s.slot for s in running])
+        except Exception:
+            logger.warning("packed step of %d newcomers and %d running sequences failed; "
+                           "running them apart", len(newcomers), len(running), exc_info=True)
+            return False
+        self._deliver(newcomers, first, "prefill")
+        self._deliver(running, following, "decode")
+        return True
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Micro: the micro-batch lives or dies together (as the reference does). Continuous:

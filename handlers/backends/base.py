@@ -7,6 +7,9 @@ model on them; it never decides who runs. The engine calls, from one thread:
     decode(slots)                   -> next token of every running sequence
     release(slots)                  -> forget finished sequences
 
+and, where `mixes_prefill` is true, `step(slots, prompts, params, running)`: the
+prefill and the running batch's decode in one model call.
+
 Token ids cross this boundary as plain ints so the scheduler stays free of torch.
 Sampling (greedy, temperature, top-k, top-p, per-request seed, min_new_tokens)
 happens inside the backend, next to the logits.
@@ -46,6 +49,8 @@ class Backend(ABC):
     max_prompt_length: int
     #: token ids that end a sequence
     eos_token_ids: frozenset[int]
+    #: whether `step` can run newcomers' prefill together with the running batch's decode
+    mixes_prefill: bool = False
 
     @abstractmethod
     def prefill(
@@ -63,6 +68,13 @@ class Backend(ABC):
     @abstractmethod
     def release(self, slots: Sequence[int]) -> None:
         """Free the slots of finished or failed sequences."""
+
+    def step(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+             params: Sequence[SamplingParams], running: Sequence[int]
+             ) -> tuple[list[int], list[int]]:
+        """`prefill(slots, ...)` and `decode(running)` as one call, for backends where that
+        is cheaper (`mixes_prefill`). On failure the running batch must be as it was."""
+        raise NotImplementedError(f"{type(self).__name__} does not mix prefill into decode")
 
     def warmup(self) -> None:  # noqa: B027 - optional hook
         """Run representative shapes once so the first request does not pay for them."""

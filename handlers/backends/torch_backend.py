@@ -7,6 +7,9 @@ padded and concatenated into the batch; a finished row is cut out and all-paddin
 columns on the left are trimmed. Decoding runs the whole
 batch with a 2-D attention mask and explicit per-row position ids, which is how
 `generate` handles left padding.
+
+When newcomers arrive while a batch runs, `step` packs their prompts and the
+running rows' next tokens into one forward (see `_PackedStep`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask
 
 from handlers.backends.base import Backend, SamplingParams
 from handlers.config import HandlerConfig
@@ -70,6 +75,63 @@ class _AppendLayer(DynamicLayer):
         self.keys, self.values = self._kbuf[:, :, :length], self._vbuf[:, :, :length]
 
 
+PACKED_ATTENTION = "inf2serve_packed_sdpa"
+
+
+@dataclass
+class _PackedStep:
+    """One forward for the newcomers' prefill and the running batch's decode.
+
+    A prefill alone reads every weight for a few dozen tokens: a 30-token prefill of the
+    bench model took ~65 ms, twice its share of a batched one, and stalled the running
+    rows meanwhile. Packed as one sequence -- the B running rows' last tokens, then the
+    newcomers' left-padded prompts -- the linear layers read their weights once for
+    both. Attention cannot be packed: per layer, `packed_attention` splits the sequence
+    and runs HF's own SDPA attention twice, the running rows against the batch cache
+    (exactly as `decode` does) and the prompts against themselves (as `prefill` does).
+    """
+
+    batch: int  # running rows, first in the packed sequence
+    newcomers: int
+    width: int  # left-padded prompt length
+    batch_layers: list  # the running batch's cache layers
+    batch_mask: torch.Tensor  # [B, 1, 1, T+1] bool: the decode step's SDPA mask
+    new_cache: DynamicCache  # receives the newcomers' KV, left-padded like a prefill
+    new_mask: torch.Tensor | None  # [n, 1, L, L] bool, or None: one newcomer, is_causal
+    layers_done: int = 0  # a model whose attention bypasses ours leaves this at 0
+
+    def attend(self, module, query, key, value, **kwargs) -> torch.Tensor:
+        b, n, width, layer = self.batch, self.newcomers, self.width, module.layer_idx
+        self.layers_done += 1
+
+        def rows(t: torch.Tensor, count: int, length: int, start: int) -> torch.Tensor:
+            # [1, heads, N, d] slice -> [count, heads, length, d]
+            part = t[0, :, start:start + count * length]
+            return part.reshape(t.shape[1], count, length, t.shape[-1]).transpose(0, 1)
+
+        k_dec, v_dec = self.batch_layers[layer].update(rows(key, b, 1, 0), rows(value, b, 1, 0))
+        out_dec, _ = sdpa_attention_forward(module, rows(query, b, 1, 0), k_dec, v_dec,
+                                            self.batch_mask, **kwargs)
+        k_new, v_new = self.new_cache.layers[layer].update(rows(key, n, width, b),
+                                                           rows(value, n, width, b))
+        out_new, _ = sdpa_attention_forward(module, rows(query, n, width, b), k_new, v_new,
+                                            self.new_mask, **kwargs)
+        # each is [rows, length, heads, d]; back to the packed [1, N, heads, d]
+        return torch.cat([out_dec.reshape(1, b, *out_dec.shape[2:]),
+                          out_new.reshape(1, n * width, *out_new.shape[2:])], dim=1)
+
+
+def packed_attention(module, query, key, value, attention_mask, packed_step=None, **kwargs):
+    """SDPA for ordinary calls; the split of `_PackedStep` when one is passed in."""
+    if packed_step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return packed_step.attend(module, query, key, value, **kwargs), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+
+
 @dataclass
 class _Row:
     slot: int
@@ -111,6 +173,12 @@ class TorchBackend(Backend):
         self._rows: list[_Row] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, T] 1 = real token, 0 = padding
+        self._plain = all(type(layer) is DynamicLayer  # no sliding-window layers
+                          for layer in DynamicCache(config=self.model.config).layers)
+        # packed steps need HF's SDPA attention (ours wraps it) and plain cache layers
+        self.mixes_prefill = self.model.config._attn_implementation == "sdpa" and self._plain
+        if self.mixes_prefill:
+            self.model.set_attn_implementation(PACKED_ATTENTION)
 
     # -- Backend interface ------------------------------------------------------------
     @torch.inference_mode()
@@ -156,6 +224,73 @@ class TorchBackend(Backend):
             r.last_token = r.sampler(logits[i])
         return [rows[order[s]].last_token for s in slots]
 
+    @torch.inference_mode()
+    def step(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+             params: Sequence[SamplingParams], running: Sequence[int]) -> tuple[list[int],
+                                                                               list[int]]:
+        """Prefill newcomers into `slots` and decode the `running` batch in one forward."""
+        order = {r.slot: i for i, r in enumerate(self._rows)}
+        if not self.mixes_prefill or not order or set(running) != set(order):
+            raise ValueError(f"packed step of running {sorted(running)} but running "
+                             f"{sorted(order)} (mixes_prefill={self.mixes_prefill})")
+        if set(slots) & set(order):
+            raise ValueError(f"prefill into busy slots {sorted(set(slots) & set(order))}")
+        rows, b, n = self._rows, len(self._rows), len(prompts)
+        width = max(len(p) for p in prompts)
+        new_ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts],
+                               device=self.device)  # [n, L]
+        new_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                                device=self.device)  # [n, L]
+        new_pos = (new_mask.cumsum(dim=1) - 1).clamp(min=0)
+        last = torch.tensor([r.last_token for r in rows], device=self.device)
+        ids = torch.cat([last, new_ids.flatten()])[None]  # [1, B + n*L]
+        pos = torch.cat([torch.tensor([r.length for r in rows], device=self.device),
+                         new_pos.flatten()])[None]
+        batch_mask = F.pad(self._mask, (0, 1), value=1)  # [B, T+1]
+        plan = _PackedStep(
+            batch=b, newcomers=n, width=width, batch_layers=self._cache.layers,
+            batch_mask=self._sdpa_mask(batch_mask, pos[:, :b].T, self._cache),
+            new_cache=self._new_cache(), new_mask=self._sdpa_mask(new_mask, new_pos, None))
+        keep = torch.tensor(list(range(b)) + [b + (i + 1) * width - 1 for i in range(n)],
+                            device=self.device)
+        samplers = [RowSampler(p, self.eos_token_ids, self.device) for p in params]
+        length = self._mask.shape[1]
+        try:
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                             logits_to_keep=keep, packed_step=plan)
+        except BaseException:
+            self._truncate(length)  # layers that appended keep the batch as it was
+            raise
+        if plan.layers_done != len(self._cache.layers):
+            self._truncate(length)
+            self.mixes_prefill = False
+            raise RuntimeError(f"{type(self.model).__name__}'s attention did not run the packed "
+                               "step; prefill and decode run apart from now on")
+        logits = out.logits[0]  # [B + n, vocab]
+        self._mask = batch_mask
+        for i, r in enumerate(rows):
+            r.length += 1
+            r.last_token = r.sampler(logits[i])
+        first = [sampler(logits[b + i]) for i, sampler in enumerate(samplers)]
+        decoded = [rows[order[s]].last_token for s in running]
+        self._rows += [_Row(slot, len(prompt), token, sampler) for slot, prompt, token, sampler
+                       in zip(slots, prompts, first, samplers, strict=True)]
+        self._append_rows(plan.new_cache, new_mask)
+        return first, decoded
+
+    def _sdpa_mask(self, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache | None):
+        """The mask HF's own forward would give SDPA for these rows (None: run causal)."""
+        shape = (*pos.shape, 1)  # only the embeddings' batch, length, dtype and device count
+        embeds = torch.empty(shape, dtype=self.model.dtype, device=self.device)
+        return create_causal_mask(config=self.model.config, inputs_embeds=embeds,
+                                  attention_mask=mask, past_key_values=cache, position_ids=pos)
+
+    def _truncate(self, length: int) -> None:
+        for layer in self._cache.layers:
+            if layer.is_initialized and layer.keys.shape[2] > length:
+                layer.keys = layer.keys[:, :, :length]
+                layer.values = layer.values[:, :, :length]
+
     def release(self, slots: Sequence[int]) -> None:
         gone = set(slots)
         keep = [i for i, r in enumerate(self._rows) if r.slot not in gone]
@@ -183,7 +318,7 @@ class TorchBackend(Backend):
     # -- batch cache ------------------------------------------------------------------
     def _new_cache(self) -> DynamicCache:
         cache = DynamicCache(config=self.model.config)
-        if all(type(layer) is DynamicLayer for layer in cache.layers):  # not sliding-window
+        if self._plain:
             cache.layers = [_AppendLayer() for _ in cache.layers]
         return cache
 

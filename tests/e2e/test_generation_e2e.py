@@ -227,6 +227,27 @@ def test_continuous_newcomer_starts_before_the_running_request_ends(server):
     assert short.chunks[0][0] < long_out["times"][-1]
 
 
+def test_greedy_newcomer_joining_a_running_batch_matches_generate(server, tiny_checkpoint):
+    """The newcomer is prefilled inside the running request's decode step (one forward)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t, long_out, first = stream_in_background(
+        server, "tiny-cont", {"prompt": "Long", "max_new_tokens": 200, "min_new_tokens": 200})
+    assert first.wait(60)
+    prompt = "Once upon a time there was a robot"
+    r = post(server, "tiny-cont", {"prompt": prompt, "max_new_tokens": 16, "min_new_tokens": 16,
+                                   "stream": False, "details": True})
+    t.join(120)
+    assert r.status == 200 and long_out["status"] == 200, r.body
+    assert r.chunks[-1][0] < long_out["times"][-1]  # it ran while the long one ran
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert r.json()["token_ids"] == out[0, ids.shape[1]:].tolist()
+
+
 def test_full_queue_answers_503_with_retry_after(server):
     body = {"prompt": "Busy", "max_new_tokens": 500, "min_new_tokens": 500}
     t1, out1, first = stream_in_background(server, "tiny-tight", body)

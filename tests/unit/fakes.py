@@ -61,6 +61,28 @@ class CountingBackend(Backend):
             self.last.pop(slot, None)
 
 
+class PackingBackend(CountingBackend):
+    """A CountingBackend whose `step` runs prefill and decode as one call (all or nothing)."""
+
+    mixes_prefill = True
+
+    def step(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+             params: Sequence[SamplingParams], running: Sequence[int]
+             ) -> tuple[list[int], list[int]]:
+        self.calls.append(("step", tuple(slots), tuple(running)))
+        self.threads.add(threading.get_ident())
+        if set(running) != set(self.last) or any(s in self.last for s in slots):
+            raise ValueError(f"step {sorted(slots)}+{sorted(running)} but running "
+                             f"{sorted(self.last)}")
+        if self.fail_prefill_on is not None and any(self.fail_prefill_on in p for p in prompts):
+            raise RuntimeError("injected step failure")
+        following = [self.last[s] + 1 for s in running]
+        self.last.update(zip(running, following, strict=True))
+        first = [p[-1] + 1 for p in prompts]
+        self.last.update(zip(slots, first, strict=True))
+        return first, following
+
+
 class CharTokenizer:
     """Token id = a character code point; decode joins them."""
 

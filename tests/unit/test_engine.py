@@ -3,11 +3,11 @@ import pytest
 from handlers.backends.base import SamplingParams
 from handlers.engine import Engine
 from handlers.scheduler import ErrorEvent, FinishEvent, Scheduler, Sequence, TextEvent
-from tests.unit.fakes import CharTokenizer, CountingBackend
+from tests.unit.fakes import CharTokenizer, CountingBackend, PackingBackend
 
 
-def make(policy="continuous", micro=0, **kw):
-    backend = CountingBackend(**kw)
+def make(policy="continuous", micro=0, backend_class=CountingBackend, **kw):
+    backend = backend_class(**kw)
     seen = []
     engine = Engine(backend, Scheduler(backend.batch_size, policy, micro),
                     observer=lambda *a: seen.append(a))
@@ -184,3 +184,43 @@ def test_cancelling_a_running_request_ends_its_stream_and_frees_the_slot():
     engine.step()
     assert isinstance(ev["a"][-1], ErrorEvent) and ev["a"][-1].status == 499
     assert engine.scheduler.running == {} and backend.last == {}
+
+
+def test_newcomers_join_a_running_batch_in_one_packed_call():
+    engine, backend, _ = make(backend_class=PackingBackend)
+    ev = {}
+    submit(engine, "a", ord("A"), 8, ev)
+    engine.step()  # nothing runs yet: a plain prefill (+ decode)
+    submit(engine, "b", ord("a"), 5, ev)
+    submit(engine, "c", ord("0"), 3, ev)
+    run(engine)
+    steps = [c for c in backend.calls if c[0] == "step"]
+    assert steps == [("step", (1, 2), (0,))]
+    assert [c[0] for c in backend.calls].count("prefill") == 1
+    assert (text(ev["a"]), text(ev["b"]), text(ev["c"])) == ("BCDEFGHI", "bcdef", "123")
+    assert all(isinstance(ev[k][-1], FinishEvent) for k in "abc")
+
+
+def test_failed_packed_step_runs_apart_and_fails_only_the_culprit():
+    engine, backend, _ = make(backend_class=PackingBackend, fail_prefill_on=666)
+    ev = {}
+    submit(engine, "ok", 100, 5, ev)
+    engine.step()
+    submit(engine, "bad", 666, 4, ev)
+    submit(engine, "good", ord("a"), 3, ev)
+    run(engine)
+    assert [c[0] for c in backend.calls].count("step") == 1  # tried once, then apart
+    assert isinstance(ev["bad"][-1], ErrorEvent) and ev["bad"][-1].status == 500
+    assert isinstance(ev["ok"][-1], FinishEvent) and ev["ok"][-1].completion_tokens == 5
+    assert isinstance(ev["good"][-1], FinishEvent) and text(ev["good"]) == "bcd"
+    assert backend.last == {}
+
+
+def test_micro_policy_never_packs():
+    engine, backend, _ = make(policy="micro", micro=2, backend_class=PackingBackend)
+    ev = {}
+    for i in range(4):
+        submit(engine, str(i), 100 * (i + 1), 3, ev)
+    run(engine)
+    assert "step" not in [c[0] for c in backend.calls]
+    assert all(isinstance(ev[str(i)][-1], FinishEvent) for i in range(4))

@@ -51,6 +51,84 @@ def test_staggered_rows_match_generate(setup):
     assert [got[i][:12] for i in range(4)] == want
 
 
+def test_packed_steps_match_generate(setup):
+    """Newcomers prefilled inside the running batch's decode (one forward)."""
+    backend, tok, model = setup
+    assert backend.mixes_prefill
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    want = [reference(model, x, 12, do_sample=False) for x in ids]
+    got = {i: [] for i in range(4)}
+    sp = SamplingParams(min_new_tokens=12)
+    got[0] += backend.prefill([0], [ids[0]], [sp])
+    joins = {2: [1, 2], 5: [3]}  # two newcomers of different lengths, then one
+    for step in range(30):
+        backend.release([s for s in range(4) if len(got[s]) >= 12])
+        running = [s for s in range(4) if 0 < len(got[s]) < 12]
+        if step in joins:
+            new = joins[step]
+            first, following = backend.step(new, [ids[s] for s in new], [sp] * len(new),
+                                             running)
+            for slot, token in zip(new + running, first + following, strict=True):
+                got[slot].append(token)
+            continue
+        if not running:
+            break
+        for slot, token in zip(running, backend.decode(running), strict=True):
+            got[slot].append(token)
+    backend.release([0, 1, 2, 3])
+    assert [got[i][:12] for i in range(4)] == want
+
+
+def test_failed_packed_step_leaves_the_batch_as_it_was(setup, monkeypatch):
+    from handlers.backends import torch_backend
+
+    backend, tok, model = setup
+    ids = [tok(p)["input_ids"] for p in PROMPTS[:2]]
+    want = reference(model, ids[0], 8, do_sample=False)
+    sp = SamplingParams(min_new_tokens=8)
+    got = backend.prefill([0], [ids[0]], [sp]) + backend.decode([0]) + backend.decode([0])
+    real = torch_backend._PackedStep.attend
+    last_layer = model.config.num_hidden_layers - 1
+    assert last_layer > 0
+
+    def fail_midway(self, module, *args, **kwargs):  # after the other layers appended KV
+        if module.layer_idx == last_layer:
+            raise RuntimeError("injected")
+        return real(self, module, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend._PackedStep, "attend", fail_midway)
+    with pytest.raises(RuntimeError, match="injected"):
+        backend.step([1], [ids[1]], [sp], [0])
+    monkeypatch.setattr(torch_backend._PackedStep, "attend", real)
+    with pytest.raises(ValueError, match="running"):
+        backend.step([1], [ids[1]], [sp], [2])
+    for _ in range(5):
+        got += backend.decode([0])
+    backend.release([0])
+    assert got == want
+
+
+def test_a_model_whose_attention_skips_the_packed_path_stops_packing(setup):
+    from handlers.backends.torch_backend import PACKED_ATTENTION
+
+    backend, tok, model = setup
+    ids = tok(PROMPTS[0])["input_ids"]
+    want = reference(model, ids, 4, do_sample=False)
+    got = backend.prefill([0], [ids], [SamplingParams()])
+    backend.model.set_attn_implementation("sdpa")  # attention that ignores `packed_step`
+    try:
+        with pytest.raises(RuntimeError, match="did not run the packed step"):
+            backend.step([1], [[1, 2, 3]], [SamplingParams()], [0])
+        assert not backend.mixes_prefill
+        for _ in range(3):
+            got += backend.decode([0])
+        assert got == want
+    finally:
+        backend.release([0, 1])
+        backend.model.set_attn_implementation(PACKED_ATTENTION)
+        backend.mixes_prefill = True
+
+
 def test_seeded_sampling_is_reproducible_and_min_new_tokens_blocks_eos(setup):
     backend, tok, _ = setup
     ids = tok("The sea")["input_ids"]
