@@ -121,7 +121,9 @@ class Engine:
                 return
             self._prefill(newcomers)
         with self._cond:
-            batch = [s for s in self.scheduler.running.values() if not s.cancelled]
+            # every row the backend holds, even one cancelled since `take_cancelled` (it
+            # leaves at the next step): a decode of fewer rows fails the whole batch
+            batch = list(self.scheduler.running.values())
         if batch:
             self._call(batch, lambda: self.backend.decode([s.slot for s in batch]), "decode")
 
@@ -134,8 +136,7 @@ class Engine:
             return False
         new = {id(s) for s in newcomers}
         with self._cond:
-            running = [s for s in self.scheduler.running.values()
-                       if not s.cancelled and id(s) not in new]
+            running = [s for s in self.scheduler.running.values() if id(s) not in new]
         if not running:
             return False
         try:

@@ -224,3 +224,25 @@ def test_micro_policy_never_packs():
     run(engine)
     assert "step" not in [c[0] for c in backend.calls]
     assert all(isinstance(ev[str(i)][-1], FinishEvent) for i in range(4))
+
+
+def test_a_cancel_that_lands_mid_step_spares_the_rest_of_the_batch(monkeypatch):
+    engine, backend, _ = make()
+    ev = {}
+    submit(engine, "a", 100, 6, ev)
+    submit(engine, "b", 200, 6, ev)
+    engine.step()
+    take = engine.scheduler.take_cancelled
+
+    def cancel_right_after(*args):  # the client of "a" goes away just after this check
+        out = take(*args)
+        engine.scheduler.cancel("a")
+        return out
+
+    monkeypatch.setattr(engine.scheduler, "take_cancelled", cancel_right_after)
+    engine.step()
+    monkeypatch.setattr(engine.scheduler, "take_cancelled", take)
+    run(engine)
+    assert isinstance(ev["a"][-1], ErrorEvent) and ev["a"][-1].status == 499
+    assert isinstance(ev["b"][-1], FinishEvent) and ev["b"][-1].completion_tokens == 6
+    assert backend.last == {}
