@@ -95,7 +95,7 @@ class _PackedStep:
     newcomers: int
     width: int  # left-padded prompt length
     batch_layers: list  # the running batch's cache layers
-    batch_mask: torch.Tensor  # [B, 1, 1, T+1] bool: the decode step's SDPA mask
+    batch_mask: torch.Tensor | None  # [B, 1, 1, T+1] bool (None: no padding), as in decode
     new_cache: DynamicCache  # receives the newcomers' KV, left-padded like a prefill
     new_mask: torch.Tensor | None  # [n, 1, L, L] bool, or None: one newcomer, is_causal
     layers_done: int = 0  # a model whose attention bypasses ours leaves this at 0
@@ -188,12 +188,7 @@ class TorchBackend(Backend):
         busy = {r.slot for r in self._rows} & set(slots)
         if busy:
             raise ValueError(f"prefill into busy slots {sorted(busy)}")
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts],
-                           device=self.device)  # [n, L]
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                            device=self.device)  # [n, L]
-        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [n, L] positions count real tokens only
+        ids, mask, pos = self._left_pad(prompts)
         samplers = [RowSampler(p, self.eos_token_ids, self.device) for p in params]
         cache = self._new_cache()
         # logits of the last position only (as `generate` asks): the lm_head over every
@@ -236,12 +231,8 @@ class TorchBackend(Backend):
         if set(slots) & set(order):
             raise ValueError(f"prefill into busy slots {sorted(set(slots) & set(order))}")
         rows, b, n = self._rows, len(self._rows), len(prompts)
-        width = max(len(p) for p in prompts)
-        new_ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts],
-                               device=self.device)  # [n, L]
-        new_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                                device=self.device)  # [n, L]
-        new_pos = (new_mask.cumsum(dim=1) - 1).clamp(min=0)
+        new_ids, new_mask, new_pos = self._left_pad(prompts)
+        width = new_ids.shape[1]
         last = torch.tensor([r.last_token for r in rows], device=self.device)
         ids = torch.cat([last, new_ids.flatten()])[None]  # [1, B + n*L]
         pos = torch.cat([torch.tensor([r.length for r in rows], device=self.device),
@@ -277,6 +268,17 @@ class TorchBackend(Backend):
                        in zip(slots, prompts, first, samplers, strict=True)]
         self._append_rows(plan.new_cache, new_mask)
         return first, decoded
+
+    def _left_pad(self, prompts: Sequence[Sequence[int]]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids, mask (1 = real token) and positions, each [n, L], left-padded to the longest;
+        positions count real tokens only, as `generate` does."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts],
+                           device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=self.device)
+        return ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0)
 
     def _sdpa_mask(self, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache | None):
         """The mask HF's own forward would give SDPA for these rows (None: run causal)."""
