@@ -118,11 +118,12 @@ def paired_rounds(inproc: InProcess, url: str, token: str, prompts: list[str],
             run_scenario(url, token, Scenario("sync", 1, requests=3), b, params)))
         # 8 closed-loop streams, 3 requests each (a finished stream's next request joins
         # the running batch), between 2 + 2 batch-8 generate calls
-        in8, srv8cl = sandwich(more[:32], lambda m=more: throughput(
-            run_scenario(url, token, Scenario("concurrency", 8, requests=24), m, params)))
+        in8, srv8cl = sandwich(more[:32], lambda m=more: run_scenario(
+            url, token, Scenario("concurrency", 8, requests=24), m, params
+        ).summary.output_tokens_per_s)
         # one wave of 8 sent together: pays a ramp (staggered arrivals) and a tail
-        srv8 = throughput(run_scenario(url, token, Scenario("concurrency", 8, requests=8),
-                                       batch, params))
+        srv8 = run_scenario(url, token, Scenario("concurrency", 8, requests=8), batch,
+                            params).summary.output_tokens_per_s
         for key, value in (("in1", in1), ("srv1", srv1), ("in8", in8), ("srv8cl", srv8cl),
                            ("srv8", srv8)):
             out[key].append(value)
@@ -148,10 +149,6 @@ def served(url: str, token: str, label: str, prompts: list[str], rate_s: float) 
               flush=True)
         out.append(res)
     return out
-
-
-def throughput(res: ScenarioResult) -> float:
-    return res.summary.output_tokens / res.wall_s
 
 
 def per_request_tokens_per_s(res: ScenarioResult) -> float:
