@@ -57,6 +57,9 @@ class NeuronSettings:
     on_mismatch: str = _opt("error", choices=("error", "recompile"))
     cores_per_instance: int = _opt(0, lo=0, doc="0 = detect; NeuronCores this host has")
     core_lock_dir: str = _opt("/tmp/inf2serve-cores")
+    compilation_worker_count: int = _opt(
+        1, lo=0, hi=64, doc="graphs compiled at once by to_neuron(); 0 = all at once (the SDK's "
+                            "default). Each compiler process needs GBs of host memory")
     architecture: str = _opt("", doc="known architecture (e.g. llama-2-7b) for `validate` "
                                      "without a checkpoint")
 
