@@ -1,11 +1,13 @@
 """`inf2serve validate CONFIG`: will this model-config.yaml fit and shard on an Inf2 instance?
 
-Checks, beyond load_config's keys and types: heads (and K/V heads) shard over
-tp_degree, workers x tp_degree cores exist on the instance, and an estimate of
-device memory per NeuronCore (weights at amp + KV cache for batch x positions)
-fits 16 GiB with headroom. The architecture comes from a checkpoint's config.json,
-or from handler.neuron.architecture for the known ones below (so the shipped
-configs validate without downloading weights).
+Checks, beyond load_config's keys and types: tp_degree is one the Neuron runtime
+supports and the instance can host; heads padded and K/V heads replicated the way
+transformers-neuronx does it (warnings with the numbers); workers x tp_degree
+cores exist; device memory per NeuronCore fits 16 GiB with headroom; and an
+estimate of host memory while loading weights and compiling graphs. The
+architecture comes from a checkpoint's config.json, or from
+handler.neuron.architecture for the known ones below (so the shipped configs
+validate without downloading weights). Layout arithmetic: `neuron_sizing`.
 """
 
 from __future__ import annotations
@@ -16,47 +18,54 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from archive_tools.neuron_sizing import (
+    COMPILER_GIB_PER_GRAPH,
+    HOST_RESERVED_GIB,
+    INF2_TP_DEGREES,
+    INF2_TP_DEGREES_LLM_GUIDE,
+    INSTANCES,
+    WORKER_PROCESS_GIB,
+    Arch,
+    HeadLayout,
+    device_bytes_per_core,
+    head_layout,
+    host_memory,
+    token_buckets,
+    tp_degrees_for,
+)
 from handlers.config import ModelConfig, load_config
 from handlers.errors import ConfigError
+from neuron_cache.key import context_buckets
 
-
-@dataclass(frozen=True)
-class Arch:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    intermediate: int
-    max_positions: int
-
-    @property
-    def params(self) -> int:
-        head_dim = self.hidden // self.heads
-        attn = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        return self.layers * (attn + mlp + 2 * self.hidden) + 2 * self.vocab * self.hidden
-
+__all__ = ["ARCHITECTURES", "INSTANCES", "Arch", "Report", "validate"]
 
 ARCHITECTURES = {  # published Llama-2 configs (config.json of the meta-llama checkpoints)
     "llama-2-7b": Arch(32, 4096, 32, 32, 32000, 11008, 4096),
     "llama-2-13b": Arch(40, 5120, 40, 40, 32000, 13824, 4096),
     "llama-2-70b": Arch(80, 8192, 64, 8, 32000, 28672, 4096),
 }
-INSTANCES = {  # NeuronCores (2 per Inferentia2 chip), host memory GiB
-    "inf2.xlarge": (2, 16), "inf2.8xlarge": (2, 128), "inf2.24xlarge": (12, 384),
-    "inf2.48xlarge": (24, 768),
-}
 CORE_MEMORY = 16 * 2**30  # bytes of device memory per NeuronCore (32 GiB per chip)
 HEADROOM = 0.15  # runtime, scratchpad, collectives and I/O buffers
-AMP_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 GB = 1e9
+# weight formats in the order the real loader tries them
+# (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/module.py:L434-466)
+CHECKPOINT_FORMATS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin/",
+                      "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 @dataclass
 class Report:
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # will not work: exit 1
+    warnings: list[str] = field(default_factory=list)  # works, at a cost worth knowing
+    notes: list[str] = field(default_factory=list)  # what was and was not checked
+
+
+@dataclass(frozen=True)
+class Weights:
+    """How the checkpoint's weights are stored, which decides host memory while loading."""
+
+    fmt: str = "safetensors"
+    largest_file: int = 0  # bytes
 
 
 def arch_from_config_json(data: dict) -> Arch:
@@ -65,7 +74,8 @@ def arch_from_config_json(data: dict) -> Arch:
         return Arch(int(data["num_hidden_layers"]), int(data["hidden_size"]), heads,
                     int(data.get("num_key_value_heads") or heads), int(data["vocab_size"]),
                     int(data["intermediate_size"]),
-                    int(data.get("max_position_embeddings") or 0))
+                    int(data.get("max_position_embeddings") or 0),
+                    str(data.get("torch_dtype") or data.get("dtype") or ""))
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"config.json: missing or invalid {exc}; expected a Llama-style config "
                           "(num_hidden_layers, hidden_size, num_attention_heads, ...)") from exc
@@ -88,136 +98,228 @@ def resolve_arch(cfg: ModelConfig, checkpoint: Path | None, model_json: Path | N
     return ARCHITECTURES[name]
 
 
-def kv_heads_per_core(arch: Arch, tp: int, gqa: str) -> float:
-    if gqa == "replicated-heads":
-        return arch.heads / tp
-    return max(arch.kv_heads / tp, 1.0)  # fewer K/V heads than cores: each core holds a copy
+def checkpoint_weights(checkpoint: Path) -> Weights:
+    """The first format the real loader would pick, and its largest weight file."""
+    for name in CHECKPOINT_FORMATS:
+        path = checkpoint / name.rstrip("/")
+        if path.is_dir() if name.endswith("/") else path.is_file():
+            files = [p for p in checkpoint.iterdir() if p.suffix in (".bin", ".safetensors")
+                     and p.is_file()]
+            return Weights(name.rstrip("/"), max((p.stat().st_size for p in files), default=0))
+    return Weights()
 
 
-def memory_per_core(cfg: ModelConfig, arch: Arch, tp: int) -> tuple[float, float]:
-    """(weights, KV cache) bytes on each NeuronCore."""
-    h, n = cfg.handler, cfg.handler.neuron
-    amp = AMP_BYTES[n.amp]
-    head_dim = arch.hidden // arch.heads
-    kv = (2 * arch.layers * h.batch_size * h.max_length * head_dim
-          * kv_heads_per_core(arch, tp, n.gqa) * amp)
-    return arch.params * amp / tp, kv
+def _join(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
 
 
-def check_sharding(cfg: ModelConfig, arch: Arch, tp: int) -> list[str]:
-    n, out = cfg.handler.neuron, []
-    valid = [d for d in range(1, arch.heads + 1) if arch.heads % d == 0]
-    if arch.heads % tp:
-        out.append(f"tp_degree {tp}: {arch.heads} attention heads are not divisible by it; "
-                   f"use one of {valid}")
-    if arch.kv_heads != arch.heads and n.gqa in ("", "shard-over-heads") \
-            and arch.kv_heads % tp and tp % arch.kv_heads:
-        out.append(f"tp_degree {tp}: {arch.kv_heads} K/V heads can neither be split over nor "
-                   f"replicated onto {tp} cores (shard-over-heads); use a tp_degree that divides "
-                   f"or is a multiple of {arch.kv_heads}, or gqa: replicated-heads")
-    if n.gqa == "shard-over-batch" and cfg.handler.batch_size % tp:
-        out.append(f"gqa shard-over-batch: batch_size {cfg.handler.batch_size} is not divisible "
-                   f"by tp_degree {tp}")
+def check_tp(tp: int, instance: str | None) -> Report:
+    """tp_degree against the runtime's supported degrees and the instance's cores."""
+    out = Report()
+    supported = INF2_TP_DEGREES + INF2_TP_DEGREES_LLM_GUIDE
+    where = INSTANCES[instance] if instance else None
+    fits = tp_degrees_for(where) if where else sorted(supported)
+    if tp not in supported:
+        out.problems.append(
+            f"tp_degree {tp}: the Neuron runtime on Inf2 supports tensor-parallel degrees "
+            f"{_join(list(INF2_TP_DEGREES))} (12 per AWS's LLM inference guide); use one of "
+            f"{_join(fits)}{f' on {instance}' if instance else ''}")
+    elif where and tp > where.cores:
+        bigger = [n for n, i in INSTANCES.items() if i.cores >= tp]
+        out.problems.append(f"tp_degree {tp} needs {tp} NeuronCores, but {instance} has "
+                            f"{where.cores}; use one of {_join(fits)}, or {bigger[0]}")
+    elif tp in INF2_TP_DEGREES_LLM_GUIDE:
+        listed = _join(list(INF2_TP_DEGREES))
+        out.warnings.append(f"tp_degree {tp}: listed by AWS's LLM inference guide but not by the "
+                            f"transformers-neuronx developer guide ({listed}); if the runtime "
+                            "rejects it, use 8 or 24")
+    if where:
+        out.notes.append(f"{instance}: {where.cores} NeuronCores, {where.host_gib} GiB host "
+                         f"memory; tp_degree {_join(fits[:-1])} or {fits[-1]} fit")
     return out
 
 
-def check_memory(cfg: ModelConfig, arch: Arch, label: str) -> list[str]:
+def layout_warnings(layout: HeadLayout, unpadded: list[int]) -> list[str]:
+    """Padding and replication the real library applies silently or with a terse warning.
+
+    `unpadded`: tp degrees that divide the heads and fit, the way to avoid padding.
+    """
+    out = [f"gqa: {reason}" for reason in layout.fallbacks]
+    tp, per_core = layout.tp, layout.heads_padded // layout.tp
+    if layout.heads_padded != layout.heads:
+        kv = (f"; K/V weights and cache are padded alike ({layout.kv_cache_heads} heads)"
+              if layout.kv_weight_heads == layout.heads_padded else "")
+        avoid = (f"tp_degree {_join(unpadded)} would avoid it" if unpadded else
+                 f"no tp_degree that divides {layout.heads} fits in device memory here, so "
+                 "this is the price of this tp_degree")
+        out.append(f"tp_degree {tp}: {layout.heads} attention heads are padded to "
+                   f"{layout.heads_padded} ({per_core} per NeuronCore, "
+                   f"{layout.heads_padded - layout.heads} zero heads: "
+                   f"+{layout.padding:.1%} attention compute and weights){kv}; {avoid}")
+    if layout.kv_heads != layout.heads and layout.kv_heads_used != layout.kv_heads:
+        out.append(f"tp_degree {tp}: {layout.kv_heads} K/V heads do not divide over {tp} cores; "
+                   f"transformers-neuronx replicates them {layout.replication:g}x to "
+                   f"{layout.kv_heads_used} ({layout.kv_cache_heads // tp} per NeuronCore in the "
+                   f"KV cache, which is {layout.kv_cache_heads / layout.kv_heads:g}x the "
+                   "unreplicated size)")
+    return out
+
+
+def _core_bytes(cfg: ModelConfig, arch: Arch, tp: int) -> tuple[float, float]:
+    h = cfg.handler
+    layout = head_layout(arch, tp, h.neuron.gqa, h.batch_size)
+    return device_bytes_per_core(arch, layout, h.neuron.amp, h.batch_size, h.max_length)
+
+
+def check_device_memory(cfg: ModelConfig, arch: Arch, label: str,
+                        instance: str | None) -> list[str]:
     h, n = cfg.handler, cfg.handler.neuron
-    weights, kv = memory_per_core(cfg, arch, n.tp_degree)
+    weights, kv = _core_bytes(cfg, arch, n.tp_degree)
     usable = CORE_MEMORY * (1 - HEADROOM)
-    if weights + kv <= usable:
-        return []
-    fits = [t for t in range(n.tp_degree + 1, 129) if arch.heads % t == 0
-            and sum(memory_per_core(cfg, arch, t)) <= usable]
-    hint = (f"use tp_degree {fits[0]} or more (on an instance with that many cores)" if fits
-            else "no tp_degree fits")
-    return [f"device memory: {label} needs {(weights + kv) / GB:.1f} GB per NeuronCore at "
-            f"tp_degree {n.tp_degree} (weights {weights / GB:.1f} GB at {n.amp} + KV cache "
-            f"{kv / GB:.1f} GB for batch {h.batch_size} x {h.max_length} positions), but a core "
-            f"has {usable / GB:.1f} GB available ({CORE_MEMORY / 2**30:.0f} GiB less "
-            f"{HEADROOM:.0%} headroom); {hint}, or lower batch_size / max_length"]
-
-
-def check_instance(cfg: ModelConfig, arch: Arch | None, instance: str, label: str) -> list[str]:
-    if instance not in INSTANCES:
-        close = difflib.get_close_matches(instance, list(INSTANCES), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"--instance {instance!r}: unknown{hint} (known: "
-                          f"{', '.join(INSTANCES)})")
-    cores, host_gib = INSTANCES[instance]
-    n, fe, out = cfg.handler.neuron, cfg.frontend, []
-    need = fe.max_workers * n.tp_degree
-    if need > cores:
-        out.append(f"NeuronCores: maxWorkers {fe.max_workers} x tp_degree {n.tp_degree} = {need} "
-                   f"cores, but {instance} has {cores}; lower maxWorkers or tp_degree, or use a "
-                   "larger instance")
-    if n.cores_per_instance and n.cores_per_instance != cores:
-        out.append(f"handler.neuron.cores_per_instance {n.cores_per_instance} != {cores} cores of "
-                   f"{instance}; set it to {cores} or 0 (detect)")
-    if arch is not None:
-        weights, kv = memory_per_core(cfg, arch, n.tp_degree)
-        total, have = (weights + kv) * n.tp_degree, cores * CORE_MEMORY * (1 - HEADROOM)
+    out = []
+    if weights + kv > usable:
+        cores = INSTANCES[instance].cores if instance else max(INSTANCES.values(),
+                                                               key=lambda i: i.cores).cores
+        fits = [t for t in sorted(INF2_TP_DEGREES + INF2_TP_DEGREES_LLM_GUIDE)
+                if n.tp_degree < t <= cores and sum(_core_bytes(cfg, arch, t)) <= usable]
+        hint = (f"use tp_degree {fits[0]}" if fits else
+                f"no tp_degree up to {cores} fits; use a larger instance")
+        out.append(f"device memory: {label} needs {(weights + kv) / GB:.1f} GB per NeuronCore at "
+                   f"tp_degree {n.tp_degree} (weights {weights / GB:.1f} GB at {n.amp} + KV cache "
+                   f"{kv / GB:.1f} GB for batch {h.batch_size} x {h.max_length} positions, padding "
+                   f"included), but a core has {usable / GB:.1f} GB available "
+                   f"({CORE_MEMORY / 2**30:.0f} GiB less {HEADROOM:.0%} headroom); {hint}, or "
+                   "lower batch_size / max_length")
+    if instance:
+        cores = INSTANCES[instance].cores
+        total, have = (weights + kv) * n.tp_degree, cores * usable
         if total > have:
             out.append(f"device memory: {label} needs {total / GB:.1f} GB in all, but {instance} "
-                       f"has {have / GB:.1f} GB available ({cores} cores x "
-                       f"{CORE_MEMORY * (1 - HEADROOM) / GB:.1f} GB); use a larger instance")
+                       f"has {have / GB:.1f} GB available ({cores} cores x {usable / GB:.1f} GB); "
+                       "use a larger instance")
     return out
+
+
+def check_host_memory(cfg: ModelConfig, arch: Arch, instance: str, weights: Weights) -> Report:
+    """Estimated host memory for loading and compiling against the instance's."""
+    h, n, out = cfg.handler, cfg.handler.neuron, Report()
+    tokens, contexts = len(token_buckets(h.max_length)), len(context_buckets(h))
+    workers, have = cfg.frontend.max_workers, INSTANCES[instance].host_gib
+    mem = host_memory(arch, n.amp, workers, tokens + contexts, n.compilation_worker_count,
+                      weights.fmt, weights.largest_file)
+    setting = (f"handler.neuron.compilation_worker_count {n.compilation_worker_count}"
+               + (" = all at once" if n.compilation_worker_count == 0 else ""))
+    out.notes.append(f"host memory (estimate): loading {mem.load_gib:.1f} GiB, compiling "
+                     f"{mem.compile_gib:.1f} GiB of {have} GiB ({mem.graphs} graphs: {tokens} "
+                     f"token + {contexts} context buckets, {mem.concurrent} at a time)")
+    if mem.compile_gib > have:
+        base = mem.compile_gib - mem.concurrent * COMPILER_GIB_PER_GRAPH
+        room = int((have - base) // COMPILER_GIB_PER_GRAPH)
+        fix = (f"set compilation_worker_count to {room} or lower, or " if 0 < room < mem.concurrent
+               else "")
+        out.warnings.append(
+            f"host memory: compiling needs about {mem.compile_gib:.1f} GiB but {instance} has "
+            f"{have} GiB: {mem.concurrent} of {mem.graphs} graphs compile at once ({setting}) at "
+            f"an assumed {COMPILER_GIB_PER_GRAPH:g} GiB per neuronx-cc process, plus "
+            f"{base:.1f} GiB for the OS, TorchServe and {workers} worker(s) (an estimate: "
+            f"neuronx-cc's footprint is not documented); {fix}compile on a larger host with "
+            "`inf2serve compile` and ship the cache")
+    if mem.load_gib > have:
+        out.warnings.append(
+            f"host memory: loading weights needs about {mem.load_gib:.1f} GiB but {instance} has "
+            f"{have} GiB ({workers} worker(s) x {WORKER_PROCESS_GIB:g} GiB process + the "
+            f"{weights.fmt} weights in CPU memory, {HOST_RESERVED_GIB:g} GiB for the OS and "
+            "TorchServe; an estimate); use safetensors (`inf2serve prepare` writes them, loaded "
+            "layer by layer), fewer workers, or a larger instance")
+    return out
+
+
+def _merge(report: Report, part: Report) -> None:
+    report.problems += part.problems
+    report.warnings += part.warnings
+    report.notes += part.notes
 
 
 def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
-             label: str = "the model") -> Report:
-    """Every problem found (empty = fits); notes say what was not checked."""
+             label: str = "the model", weights: Weights | None = None) -> Report:
+    """Every problem found (empty = fits), warnings with numbers, and what was not checked."""
     h, report = cfg.handler, Report()
     if h.backend != "neuron":
         report.notes.append(f"backend {h.backend}: no Neuron checks")
         return report
     n = h.neuron
+    if instance and instance not in INSTANCES:
+        close = difflib.get_close_matches(instance, list(INSTANCES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"--instance {instance!r}: unknown{hint} (known: "
+                          f"{', '.join(INSTANCES)})")
     if cfg.frontend.device_type != "neuron":
         report.notes.append(f"deviceType is {cfg.frontend.device_type!r}; 'neuron' is usual for "
                             "the neuron backend")
-    too_long = [c for c in n.context_length_estimate if c > h.max_length]
-    if too_long:
-        report.problems.append(f"context_length_estimate {too_long} exceed max_length "
-                               f"{h.max_length}; buckets must fit the sequence")
+    _merge(report, check_tp(n.tp_degree, instance))
     if arch is None:
         report.notes.append("no architecture: pass --checkpoint/--model-json or set "
                             "handler.neuron.architecture to check heads and memory")
+    elif arch.heads % arch.kv_heads:
+        report.problems.append(f"config.json: num_attention_heads {arch.heads} is not a multiple "
+                               f"of num_key_value_heads {arch.kv_heads}; not a Llama model")
     else:
-        report.problems += check_sharding(cfg, arch, n.tp_degree)
+        usable = CORE_MEMORY * (1 - HEADROOM)
+        unpadded = [t for t in (tp_degrees_for(INSTANCES[instance]) if instance else
+                                sorted(INF2_TP_DEGREES + INF2_TP_DEGREES_LLM_GUIDE))
+                    if arch.heads % t == 0 and sum(_core_bytes(cfg, arch, t)) <= usable]
+        report.warnings += layout_warnings(head_layout(arch, n.tp_degree, n.gqa, h.batch_size),
+                                           unpadded)
         if arch.max_positions and h.max_length > arch.max_positions:
             report.problems.append(f"max_length {h.max_length} exceeds the model's "
                                    f"max_position_embeddings {arch.max_positions}")
-        report.problems += check_memory(cfg, arch, label)
-    if instance:
-        report.problems += check_instance(cfg, arch, instance, label)
-    else:
-        report.notes.append("no --instance: cores per instance not checked")
+        report.problems += check_device_memory(cfg, arch, label, instance)
+    if not instance:
+        report.notes.append("no --instance: cores and host memory not checked")
+        return report
+    where, fe = INSTANCES[instance], cfg.frontend
+    need = fe.max_workers * n.tp_degree
+    if n.tp_degree <= where.cores < need:
+        report.problems.append(f"NeuronCores: maxWorkers {fe.max_workers} x tp_degree "
+                               f"{n.tp_degree} = {need} cores, but {instance} has {where.cores}; "
+                               "lower maxWorkers or tp_degree, or use a larger instance")
+    if n.cores_per_instance and n.cores_per_instance != where.cores:
+        report.problems.append(f"handler.neuron.cores_per_instance {n.cores_per_instance} != "
+                               f"{where.cores} cores of {instance}; set it to {where.cores} or 0 "
+                               "(detect)")
+    if arch is not None and not arch.heads % arch.kv_heads:
+        _merge(report, check_host_memory(cfg, arch, instance, weights or Weights()))
     return report
 
 
 def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    arch = resolve_arch(cfg, Path(args.checkpoint) if args.checkpoint else None,
-                        Path(args.model_json) if args.model_json else None)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    arch = resolve_arch(cfg, checkpoint, Path(args.model_json) if args.model_json else None)
     label = cfg.handler.neuron.architecture or "the model"
-    report = validate(cfg, arch, args.instance, label)
-    for note in report.notes:
-        print(f"note: {note}")
-    for problem in report.problems:
-        print(f"error: {problem}")
+    weights = checkpoint_weights(checkpoint) if checkpoint else None
+    report = validate(cfg, arch, args.instance, label, weights)
+    for kind, lines in (("note", report.notes), ("warning", report.warnings),
+                        ("error", report.problems)):
+        for line in lines:
+            print(f"{kind}: {line}")
     if report.problems:
         print(f"{args.config}: {len(report.problems)} problem(s)")
         return 1
     where = f" on {args.instance}" if args.instance else ""
-    print(f"{args.config}: ok{where}")
+    warned = f" ({len(report.warnings)} warning(s))" if report.warnings else ""
+    print(f"{args.config}: ok{where}{warned}")
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "validate", help="check a model-config.yaml: keys, sharding, cores and device memory",
-        description="Check a model-config.yaml: keys and types, heads vs tp_degree, NeuronCores "
-        "on the instance and device memory per core.\n\nexamples:\n"
+        "validate", help="check a model-config.yaml: keys, tp_degree, heads, cores, device and "
+        "host memory",
+        description="Check a model-config.yaml: keys and types, tp_degree against the Neuron "
+        "runtime and the instance, head padding and K/V replication (warnings with the numbers), "
+        "NeuronCores, device memory per core, and an estimate of host memory for loading and "
+        "compiling.\n\nexamples:\n"
         "  inf2serve validate model_configs/llama-2-7b/inf2.xlarge-latency.yaml "
         "--instance inf2.xlarge\n"
         "  inf2serve validate my-config.yaml --instance inf2.48xlarge --checkpoint ckpt/llama",
@@ -225,6 +327,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="model-config.yaml")
     p.add_argument("--instance", help=f"one of {', '.join(INSTANCES)}")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", help="checkpoint directory (reads its config.json)")
+    src.add_argument("--checkpoint", help="checkpoint directory (reads its config.json and sees "
+                                          "how its weights are stored)")
     src.add_argument("--model-json", help="a config.json of the model")
     p.set_defaults(func=_run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -9,7 +10,13 @@ import pytest
 import yaml
 
 from archive_tools.cli import main
-from archive_tools.validate_cmd import ARCHITECTURES, INSTANCES, Arch, validate
+from archive_tools.validate_cmd import (
+    ARCHITECTURES,
+    INSTANCES,
+    Arch,
+    checkpoint_weights,
+    validate,
+)
 from handlers.config import load_config, parse_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "model_configs"
@@ -42,9 +49,32 @@ def test_every_shipped_config_validates_on_its_instance(path: Path) -> None:
     assert main(["validate", str(path), "--instance", _instance(path)]) == 0
 
 
-def _seventy_b(tmp_path: Path, tp: int) -> Path:
+@pytest.mark.parametrize("path", [p for p in SHIPPED if "70b" in p.parent.name],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_70b_ships_on_tp24_with_padding_and_replication_warned(path: Path, capsys) -> None:
+    cfg = load_config(path)
+    assert cfg.handler.neuron.tp_degree == 24 and _instance(path) == "inf2.48xlarge"
+    assert main(["validate", str(path), "--instance", "inf2.48xlarge"]) == 0
+    out = capsys.readouterr().out
+    assert ("warning: tp_degree 24: 64 attention heads are padded to 72 (3 per NeuronCore, "
+            "8 zero heads: +12.5% attention compute and weights)") in out
+    assert "no tp_degree that divides 64 fits in device memory here" in out
+    assert ("warning: tp_degree 24: 8 K/V heads do not divide over 24 cores; transformers-neuronx "
+            "replicates them 3x to 24 (1 per NeuronCore in the KV cache") in out
+    assert out.rstrip().endswith("ok on inf2.48xlarge (2 warning(s))")
+
+
+def test_the_other_shipped_configs_have_no_warnings() -> None:
+    for path in SHIPPED:
+        if "70b" not in path.parent.name:
+            cfg = load_config(path)
+            arch = ARCHITECTURES[cfg.handler.neuron.architecture]
+            assert validate(cfg, arch, _instance(path)).warnings == [], path
+
+
+def _seventy_b(tmp_path: Path, tp: int, **neuron) -> Path:
     data = yaml.safe_load((CONFIGS / "llama-2-70b" / "inf2.48xlarge-latency.yaml").read_text())
-    data["handler"]["neuron"]["tp_degree"] = tp
+    data["handler"]["neuron"].update(tp_degree=tp, **neuron)
     out = tmp_path / "70b.yaml"
     out.write_text(yaml.safe_dump(data))
     return out
@@ -54,34 +84,150 @@ def test_70b_on_xlarge_is_rejected_with_required_and_available_memory(tmp_path: 
                                                                       capsys) -> None:
     assert main(["validate", str(_seventy_b(tmp_path, 2)), "--instance", "inf2.xlarge"]) == 1
     out = capsys.readouterr().out
-    assert "needs 69.6 GB per NeuronCore at tp_degree 2" in out
+    assert "needs 69.4 GB per NeuronCore at tp_degree 2" in out
     assert "a core has 14.6 GB available" in out
-    assert "needs 139.3 GB in all, but inf2.xlarge has 29.2 GB available" in out
-    assert "use tp_degree 16 or more" in out
+    assert "needs 138.8 GB in all, but inf2.xlarge has 29.2 GB available" in out
+    assert "no tp_degree up to 2 fits; use a larger instance" in out
 
 
-def test_70b_at_tp16_needs_more_cores_than_xlarge(tmp_path: Path, capsys) -> None:
-    assert main(["validate", str(_seventy_b(tmp_path, 16)), "--instance", "inf2.xlarge"]) == 1
-    assert "1 x tp_degree 16 = 16 cores, but inf2.xlarge has 2" in capsys.readouterr().out
+def test_70b_at_tp8_names_the_smallest_tp_that_fits(tmp_path: Path, capsys) -> None:
+    assert main(["validate", str(_seventy_b(tmp_path, 8)), "--instance", "inf2.48xlarge"]) == 1
+    out = capsys.readouterr().out
+    assert "needs 17.3 GB per NeuronCore at tp_degree 8" in out
+    assert "use tp_degree 12" in out  # batch 1: 13.5 GB weights + 1.0 GB of 8x replicated KV
 
 
-def _cfg(**neuron):
+def test_tp_the_runtime_does_not_support_is_rejected(tmp_path: Path, capsys) -> None:
+    assert main(["validate", str(_seventy_b(tmp_path, 16)), "--instance", "inf2.48xlarge"]) == 1
+    out = capsys.readouterr().out
+    assert ("error: tp_degree 16: the Neuron runtime on Inf2 supports tensor-parallel degrees "
+            "1, 2, 4, 8, 24 (12 per AWS's LLM inference guide); use one of 1, 2, 4, 8, 12, 24 on "
+            "inf2.48xlarge") in out
+
+
+def test_tp_larger_than_the_instance_is_rejected(tmp_path: Path, capsys) -> None:
+    assert main(["validate", str(_seventy_b(tmp_path, 24)), "--instance", "inf2.24xlarge"]) == 1
+    out = capsys.readouterr().out
+    assert ("error: tp_degree 24 needs 24 NeuronCores, but inf2.24xlarge has 12; use one of 1, 2, "
+            "4, 8, 12, or inf2.48xlarge") in out
+    assert "maxWorkers" not in out  # one message for one cause
+
+
+@pytest.mark.parametrize("instance,allowed", [
+    ("inf2.xlarge", "1 or 2"), ("inf2.8xlarge", "1 or 2"), ("inf2.24xlarge", "1, 2, 4, 8 or 12"),
+    ("inf2.48xlarge", "1, 2, 4, 8, 12 or 24"),
+])
+def test_allowed_tp_is_reported_per_instance(instance: str, allowed: str) -> None:
+    report = validate(_cfg(tp_degree=2), None, instance)
+    assert f"{instance}: " in report.notes[0] and f"tp_degree {allowed} fit" in report.notes[0]
+
+
+def _cfg(batch_size: int = 4, **neuron):
     return parse_config({"deviceType": "neuron",
                          "handler": {"backend": "neuron", "max_length": 2048,
-                                     "neuron": neuron}})
+                                     "batch_size": batch_size, "neuron": neuron}})
 
 
-def test_heads_must_divide_by_tp() -> None:
-    report = validate(_cfg(tp_degree=3), ARCHITECTURES["llama-2-7b"], None)
-    assert any("32 attention heads are not divisible" in p for p in report.problems)
+def test_tp12_is_accepted_with_a_warning_about_the_sources() -> None:
+    report = validate(_cfg(tp_degree=12), ARCHITECTURES["llama-2-7b"], "inf2.24xlarge")
+    assert report.problems == []
+    assert any("tp_degree 12: listed by AWS's LLM inference guide" in w for w in report.warnings)
 
 
-def test_kv_heads_must_shard_or_replicate() -> None:
+def test_head_padding_is_a_warning_with_the_padded_numbers() -> None:
+    report = validate(_cfg(tp_degree=24), ARCHITECTURES["llama-2-7b"], "inf2.48xlarge")
+    assert report.problems == []
+    assert report.warnings == [
+        "tp_degree 24: 32 attention heads are padded to 48 (2 per NeuronCore, 16 zero heads: "
+        "+50.0% attention compute and weights); K/V weights and cache are padded alike (48 "
+        "heads); tp_degree 2, 4, 8 would avoid it"]  # tp 1: 13.5 GB weights + 2.1 GB KV
+
+
+def test_heads_that_divide_by_tp_are_not_padded() -> None:
+    assert validate(_cfg(tp_degree=8), ARCHITECTURES["llama-2-7b"], None).warnings == []
+
+
+def test_kv_replication_is_a_warning_with_the_numbers() -> None:
     arch = ARCHITECTURES["llama-2-70b"]  # 64 heads, 8 K/V heads
-    assert validate(_cfg(tp_degree=16), arch, None).problems == []  # replicated 2x
-    assert validate(_cfg(tp_degree=32, gqa="shard-over-heads"), arch, None).problems == []
+    assert validate(_cfg(tp_degree=8, batch_size=1), arch, None).warnings == []
+    twelve = validate(_cfg(tp_degree=12, batch_size=1), arch, None).warnings
+    assert any("replicates them 8x to 64 (6 per NeuronCore in the KV cache, which is 9x the "
+               "unreplicated size)" in w for w in twelve)  # padded to 72 cache heads
+
+
+def test_shard_over_batch_falls_back_like_the_library() -> None:
+    arch = Arch(32, 4096, 32, 8, 128256, 14336, 8192)  # Llama-3-8B: 8 K/V heads
+    kept = validate(_cfg(tp_degree=8, batch_size=8, gqa="shard-over-batch"), arch, None)
+    assert kept.warnings == []
+    dropped = validate(_cfg(tp_degree=8, batch_size=4, gqa="shard-over-batch"), arch, None)
+    assert dropped.problems == []
+    assert dropped.warnings == ["gqa: gqa shard-over-batch needs batch_size 4 divisible by "
+                                "tp_degree 8; transformers-neuronx falls back to "
+                                "shard-over-heads"]
+
+
+def test_heads_not_a_multiple_of_kv_heads_is_not_a_llama() -> None:
     arch6 = Arch(80, 8192, 64, 6, 32000, 28672, 4096)
-    assert any("6 K/V heads" in p for p in validate(_cfg(tp_degree=16), arch6, None).problems)
+    assert any("num_attention_heads 64 is not a multiple of num_key_value_heads 6" in p
+               for p in validate(_cfg(tp_degree=8), arch6, None).problems)
+
+
+def _xlarge(tmp_path: Path, workers: int) -> Path:
+    data = yaml.safe_load((CONFIGS / "llama-2-7b" / "inf2.xlarge-latency.yaml").read_text())
+    data["handler"]["neuron"]["compilation_worker_count"] = workers
+    out = tmp_path / "x.yaml"
+    out.write_text(yaml.safe_dump(data))
+    return out
+
+
+def test_compiling_every_graph_at_once_on_xlarge_warns_with_numbers_and_the_fix(
+        tmp_path: Path, capsys) -> None:
+    assert main(["validate", str(_xlarge(tmp_path, 0)), "--instance", "inf2.xlarge"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: host memory (estimate): loading 5.2 GiB, compiling 44.5 GiB of 16 GiB "
+            "(10 graphs: 6 token + 4 context buckets, 10 at a time)") in out
+    assert ("warning: host memory: compiling needs about 44.5 GiB but inf2.xlarge has 16 GiB: 10 "
+            "of 10 graphs compile at once (handler.neuron.compilation_worker_count 0 = all at "
+            "once) at an assumed 4 GiB per neuronx-cc process") in out
+    assert "set compilation_worker_count to 2 or lower" in out
+    assert "compile on a larger host with `inf2serve compile` and ship the cache" in out
+
+
+def test_one_graph_at_a_time_fits_xlarge(tmp_path: Path, capsys) -> None:
+    assert main(["validate", str(_xlarge(tmp_path, 1)), "--instance", "inf2.xlarge"]) == 0
+    out = capsys.readouterr().out
+    assert "compiling 8.5 GiB of 16 GiB" in out and "warning" not in out
+
+
+def _checkpoint(tmp_path: Path, dtype: str, *files: str) -> Path:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+        "vocab_size": 32000, "intermediate_size": 11008, "max_position_embeddings": 4096,
+        "torch_dtype": dtype}))
+    for name in files:
+        (ckpt / name).write_bytes(b"")
+    return ckpt
+
+
+def test_a_whole_pytorch_model_bin_on_xlarge_warns_about_loading(tmp_path: Path, capsys) -> None:
+    ckpt = _checkpoint(tmp_path, "float32", "pytorch_model.bin")
+    cfg = _xlarge(tmp_path, 1)
+    assert main(["validate", str(cfg), "--instance", "inf2.xlarge", "--checkpoint",
+                 str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert ("warning: host memory: loading weights needs about 29.1 GiB but inf2.xlarge has 16 "
+            "GiB") in out  # 6.7e9 params x 4 bytes, torch.load()ed whole
+    assert "use safetensors (`inf2serve prepare` writes them" in out
+
+
+def test_safetensors_load_layer_by_layer(tmp_path: Path, capsys) -> None:
+    ckpt = _checkpoint(tmp_path, "float32", "model.safetensors", "pytorch_model.bin")
+    assert checkpoint_weights(ckpt).fmt == "model.safetensors"  # the real loader's first choice
+    assert main(["validate", str(_xlarge(tmp_path, 1)), "--instance", "inf2.xlarge",
+                 "--checkpoint", str(ckpt)]) == 0
+    assert "warning" not in capsys.readouterr().out
 
 
 def test_unknown_architecture_names_the_closest(tmp_path: Path, capsys) -> None:
