@@ -22,8 +22,14 @@ from handlers.errors import CacheError
 if TYPE_CHECKING:
     from handlers.config import HandlerConfig
 
-#: distributions whose versions are part of the key (read with importlib.metadata)
-SDK_DISTRIBUTIONS = ("neuronx-cc", "transformers-neuronx", "torch-neuronx")
+#: distributions whose versions are part of the key (read with importlib.metadata): each one
+#: changes the NEFFs. transformers-neuronx builds the HLO with torch-neuronx's pyhlo, and
+#: libneuronxla's neuron_xla_compile runs neuronx-cc through its compile cache, the one at
+#: NEURON_COMPILE_CACHE_URL (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/
+#: compiler.py:L30-38, L147-156). torch is left out: it neither builds nor
+#: compiles the graphs, the saved artefacts are raw NEFF bytes (base.py:L768-773), and each
+#: torch-neuronx build pins one torch, whose version leads its own (2.1.2.2.4.0 is torch 2.1.2).
+SDK_DISTRIBUTIONS = ("neuronx-cc", "libneuronxla", "transformers-neuronx", "torch-neuronx")
 ABSENT = "absent"
 #: config.json fields that do not change the compiled graph
 IGNORED_CONFIG_FIELDS = frozenset({

@@ -9,6 +9,7 @@ import pytest
 
 from handlers.config import parse_config
 from neuron_cache.key import (
+    SDK_DISTRIBUTIONS,
     KeyInputs,
     differences,
     graph_config,
@@ -23,8 +24,9 @@ MODEL = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
          "intermediate_size": 172, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
          "torch_dtype": "float32", "architectures": ["LlamaForCausalLM"],
          "transformers_version": "5.23.0", "_name_or_path": "/tmp/x"}
-SDK = {"neuronx-cc": "2.15.128.0", "transformers-neuronx": "0.13.322",
-       "torch-neuronx": "2.1.2.2.3.0"}
+# the fake install under tests/fakes: Neuron SDK 2.21.0 (see tests/fakes/README.md)
+SDK = {"neuronx-cc": "2.16.345.0", "libneuronxla": "2.1.681.0",
+       "transformers-neuronx": "0.13.322", "torch-neuronx": "2.1.2.2.4.0"}
 
 
 def _key(handler: dict | None = None, model: dict | None = None, sdk: dict | None = None):
@@ -57,7 +59,14 @@ def test_key_changes_with_the_architecture(field: str, value: object) -> None:
     assert _key(model={**MODEL, field: value}).digest != BASE.digest
 
 
-@pytest.mark.parametrize("dist", sorted(SDK))
+def test_the_key_covers_every_package_that_changes_the_neffs() -> None:
+    # HLO: transformers-neuronx + torch-neuronx's pyhlo; compile: libneuronxla + neuronx-cc
+    assert set(SDK_DISTRIBUTIONS) == {"neuronx-cc", "libneuronxla", "transformers-neuronx",
+                                      "torch-neuronx"}
+    assert set(BASE.sdk) == set(SDK_DISTRIBUTIONS)
+
+
+@pytest.mark.parametrize("dist", SDK_DISTRIBUTIONS)
 def test_key_changes_with_each_sdk_version(dist: str) -> None:
     other = _key(sdk={**SDK, dist: "9.9.9"})
     assert other.digest != BASE.digest
@@ -97,3 +106,9 @@ def test_sdk_versions_absent_without_the_sdk(monkeypatch: pytest.MonkeyPatch) ->
 def test_sdk_versions_read_installed_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(FAKES))  # the fake ships *.dist-info like a real install
     assert sdk_versions() == SDK
+
+
+def test_an_entry_from_before_libneuronxla_was_keyed_is_a_build_mismatch() -> None:
+    old = _key(sdk={k: v for k, v in SDK.items() if k != "libneuronxla"})
+    assert is_build_mismatch(BASE, old)
+    assert differences(BASE, old) == {"sdk.libneuronxla": ("2.1.681.0", "absent")}
