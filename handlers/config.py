@@ -46,7 +46,8 @@ class GenerationDefaults:
 class NeuronSettings:
     """transformers-neuronx compile settings; only read when backend is neuron."""
 
-    tp_degree: int = _opt(2, lo=1, hi=128)
+    tp_degree: int = _opt(2, lo=1, hi=128, doc="NeuronCores per model; the Inf2 runtime supports "
+                                                "1, 2, 4, 8, 24 (`inf2serve validate` checks)")
     amp: str = _opt("bf16", choices=("bf16", "f16", "f32"))
     model_class_name: str = _opt("llama.model.LlamaForSampling")
     context_length_estimate: list = _opt([], doc="prefill buckets; empty = n_positions")

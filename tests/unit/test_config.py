@@ -32,6 +32,9 @@ def test_shipped_tiny_config_loads_and_round_trips():
     ({"handler": {"neuron": {"context_length_estimate": ["a"]}}}, "not prefill lengths"),
     ({"handler": {"max_length": 512, "max_new_tokens_limit": 256,
                   "neuron": {"context_length_estimate": [1024]}}}, "not prefill lengths"),
+    ({"handler": {"neuron": {"compilation_worker_count": -1}}},
+     r"handler.neuron.compilation_worker_count: -1 is out of range; allowed \[0, 64\]"),
+    ({"handler": {"neuron": {"compilation_worker_count": "all"}}}, "expected int"),
 ])
 def test_errors_name_the_key_and_the_fix(data, message):
     with pytest.raises(ConfigError, match=message):
@@ -50,3 +53,9 @@ def test_yaml_errors(tmp_path):
     bad.write_text("handler: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_compilation_worker_count_defaults_to_one_graph_at_a_time():
+    assert parse_config({}).handler.neuron.compilation_worker_count == 1
+    every = parse_config({"handler": {"neuron": {"compilation_worker_count": 0}}})
+    assert every.handler.neuron.compilation_worker_count == 0  # the SDK's default: all at once

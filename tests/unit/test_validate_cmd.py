@@ -261,3 +261,18 @@ def test_checkpoint_config_json_is_used(tmp_path: Path, capsys) -> None:
                                                 "neuron": {"tp_degree": 2}}}))
     assert main(["validate", str(path), "--checkpoint", str(tmp_path)]) == 1
     assert "exceeds the model's max_position_embeddings 512" in capsys.readouterr().out
+
+
+def test_the_readme_example_output_is_what_validate_prints(capsys, monkeypatch) -> None:
+    monkeypatch.chdir(CONFIGS.parent)  # the README's paths are relative to the repository
+    readme = Path("README.md").read_text(encoding="utf-8")
+    block = readme.split("Check a config before you deploy", 1)[1].split("```bash\n", 1)[1]
+    runs = block.split("```", 1)[0].split("inf2serve ")[1:]
+    assert len(runs) == 2
+    for run in runs:
+        command, *shown = run.strip().splitlines()
+        code = main(command.split())
+        out = capsys.readouterr().out
+        assert code == (1 if any(s.startswith("# error") for s in shown) else 0)
+        for line in shown:
+            assert line.removeprefix("# ").removesuffix(" ...") in out, line
