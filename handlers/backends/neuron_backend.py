@@ -15,6 +15,7 @@ Two runners, picked by handler.batching:
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import logging
 import queue
@@ -58,17 +59,46 @@ def resolve_model_class(name: str) -> type:
                           "'llama.model.LlamaForSampling'") from exc
 
 
-def build_neuron_config(spec: dict[str, Any]) -> Any:
-    """Our plain-data spec (neuron_cache.key.neuron_config_spec) as SDK objects."""
+def check_keywords(fn: Any, names: Sequence[str], what: str) -> None:
+    """The SDK swallows keywords it does not know (**kwargs): refuse to pass one it lacks.
+
+    LlamaForSampling.__init__ ends in **kwargs and ignores them
+    (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/llama/model.py:L32-L34),
+    and so does sample() (llama/model.py:L405-L407): a misspelt or renamed argument
+    would silently compile or sample something else.
+    """
+    params = inspect.signature(fn).parameters
+    named = [n for n, p in params.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"]
+    unknown = sorted(set(names) - set(named))
+    if unknown:
+        raise ConfigError(f"{what} takes no {unknown} (it takes {named}); use a class and a "
+                          "transformers-neuronx that do (0.13.x, Neuron SDK 2.21+)")
+
+
+def build_neuron_config(spec: dict[str, Any], compilation_worker_count: int = 0) -> Any:
+    """Our plain-data spec (neuron_cache.key.neuron_config_spec) as SDK objects.
+
+    compilation_worker_count is not in the spec (it changes no graph): 0 leaves the
+    SDK's default, every graph compiled at once.
+    """
     from transformers_neuronx.config import ContinuousBatchingConfig, NeuronConfig
     from transformers_neuronx.constants import GQA
 
     kwargs: dict[str, Any] = {}
     if spec.get("continuous_batching"):
+        # keyword-only in 0.13 (config.py:L78-L79), which reads it as max_num_seqs; older
+        # releases take the same name positionally
         kwargs["continuous_batching"] = ContinuousBatchingConfig(
             batch_size_for_shared_caches=spec["continuous_batching"])
     if spec.get("group_query_attention"):
         kwargs["group_query_attention"] = GQA(spec["group_query_attention"])
+    if compilation_worker_count:
+        if "compilation_worker_count" not in inspect.signature(NeuronConfig).parameters:
+            raise ConfigError("handler.neuron.compilation_worker_count: this transformers-"
+                              "neuronx's NeuronConfig has no compilation_worker_count (0.13+); "
+                              "set it to 0 (compile every graph at once)")
+        kwargs["compilation_worker_count"] = compilation_worker_count
     return NeuronConfig(**kwargs)
 
 
@@ -96,18 +126,24 @@ class NeuronBackend(Backend):
             model_config = read_model_config(checkpoint)
             self.eos_token_ids = read_eos_ids(checkpoint, model_config)
             model_cls = resolve_model_class(n.model_class_name)
+            runner_cls = _ContinuousRunner if config.batching == "continuous" else _MicroRunner
+            runner_cls.check(model_cls, context_buckets(config))  # before compiling
             inputs = key_inputs(config, model_config)
-            self.model = model_cls.from_pretrained(
-                str(checkpoint), batch_size=config.batch_size, tp_degree=n.tp_degree, amp=n.amp,
-                n_positions=config.max_length, context_length_estimate=context_buckets(config),
-                neuron_config=build_neuron_config(inputs.neuron_config))
+            kwargs = {"batch_size": config.batch_size, "tp_degree": n.tp_degree, "amp": n.amp,
+                      "n_positions": config.max_length,
+                      "context_length_estimate": context_buckets(config),
+                      "neuron_config": build_neuron_config(inputs.neuron_config,
+                                                           n.compilation_worker_count)}
+            # from_pretrained hands these to the class (module.py:L424-L426)
+            check_keywords(model_cls, list(kwargs), f"handler.neuron.model_class_name "
+                           f"{n.model_class_name}")
+            self.model = model_cls.from_pretrained(str(checkpoint), **kwargs)
             store = CacheStore(cache_root(config, model_dir))
             self.start = compile_or_load(store, inputs, self.model, n.on_mismatch)
         except BaseException:
             self._claim.release()
             raise
         eos = min(self.eos_token_ids) if self.eos_token_ids else 0
-        runner_cls = _ContinuousRunner if config.batching == "continuous" else _MicroRunner
         self._runner = runner_cls(self.model, config, context_buckets(config), eos)
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
@@ -136,8 +172,42 @@ class NeuronBackend(Backend):
             self._claim.release()
 
 
+def prefill_inputs(prompt: list[int]) -> tuple[list[int], list[int]]:
+    """Token ids and cache ids that run `prompt` through context encoding, on its row only.
+
+    transformers-neuronx encodes a context only when a call has more than one token and
+    its first cache id is 0 (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/
+    base.py:L502-L503). One token would run token generation instead, which pads the call
+    to every compiled row with cache id 0 (base.py:L575-L587) and writes each row's K/V
+    there (layers/attention.py:L276-L296): position 0 of every running sequence would be
+    overwritten. So a 1-token prompt goes twice at cache ids [0, 0]: context encoding
+    masks by index (hlo.py:L3140-L3148), so the first copy sees itself alone, at rotary
+    position 0 (llama/hlo.py:L175), and its logits are returned because last_token_id is
+    the largest cache id, 0 (base.py:L443). Both copies write this row only; the second
+    lands on position 0 with identical K/V, or on position 1 when right padding renumbers
+    the cache ids 0..bucket-1 (base.py:L472-L473), and the first decode rewrites position 1
+    before any token attends to it (the prior mask is position < cache id, hlo.py:L3592).
+    """
+    if len(prompt) == 1:
+        return prompt * 2, [0, 0]
+    return prompt, list(range(len(prompt)))
+
+
 class _ContinuousRunner:
-    """One KV-cache row per slot; each request samples with its own parameters."""
+    """One KV-cache row per slot; each request samples with its own parameters.
+
+    Token ids, cache ids and seq ids all go as int64: token generation scatters cache_ids
+    into a tensor of input_ids' dtype, so the two must match (base.py:L576-L585); int64 is
+    what vLLM passes, and each input is cast to its compiled buffer's dtype on the way to
+    the device (decoder.py:L2197). Every call runs under inference_mode: the embedding runs
+    on CPU with trainable parameters (llama/model.py:L280-L282).
+    """
+
+    @staticmethod
+    def check(model_cls: type, buckets: list[int]) -> None:
+        if buckets[-1] < 2:
+            raise ConfigError(f"handler.neuron.context_length_estimate: {buckets} has no bucket "
+                              "of 2 or more tokens; continuous batching prefills through one")
 
     def __init__(self, model: Any, config: HandlerConfig, buckets: list[int], eos: int) -> None:
         self.model, self.buckets, self.eos = model, buckets, eos
@@ -158,11 +228,13 @@ class _ContinuousRunner:
                 raise RequestError("prompt", f"{len(prompt)} tokens exceed the largest prefill "
                                    f"bucket {self.buckets[-1]} (handler.neuron."
                                    "context_length_estimate)")
-            ids = torch.tensor([prompt], dtype=torch.long)  # [1, L]
-            cache_ids = torch.arange(len(prompt), dtype=torch.int32).unsqueeze(0)  # [1, L]
-            logits = self.model.forward(ids, cache_ids, torch.tensor([slot], dtype=torch.int32))
+            tokens, positions = prefill_inputs(prompt)
             sampler = RowSampler(p, eos_ids, torch.device("cpu"))
-            token = sampler(logits[0])  # logits: [1, vocab]
+            with torch.inference_mode():  # logits are inference tensors: sample inside
+                logits = self.model.forward(torch.tensor([tokens], dtype=torch.int64),  # [1, L]
+                                            torch.tensor([positions], dtype=torch.int64),
+                                            torch.tensor([slot], dtype=torch.int64))
+                token = sampler(logits[0])  # logits: [1, vocab]
             self.rows[slot] = (len(prompt), token, sampler)
             out.append(token)
         return out
@@ -174,14 +246,13 @@ class _ContinuousRunner:
         if missing:
             raise GenerationError(f"decode of slots {missing} that were never prefilled")
         rows = [self.rows[s] for s in slots]
-        ids = torch.tensor([[r[1]] for r in rows], dtype=torch.long)  # [n, 1]
-        cache_ids = torch.tensor([[r[0]] for r in rows], dtype=torch.int32)  # [n, 1]
-        logits = self.model.forward(ids, cache_ids, torch.tensor(slots, dtype=torch.int32))
-        out = []
-        for i, (slot, (length, _, sampler)) in enumerate(zip(slots, rows, strict=True)):
-            token = sampler(logits[i])  # logits: [n, vocab] in slot order
+        ids = torch.tensor([[r[1]] for r in rows], dtype=torch.int64)  # [n, 1]
+        cache_ids = torch.tensor([[r[0]] for r in rows], dtype=torch.int64)  # [n, 1]
+        with torch.inference_mode():
+            logits = self.model.forward(ids, cache_ids, torch.tensor(slots, dtype=torch.int64))
+            out = [r[2](logits[i]) for i, r in enumerate(rows)]  # logits: [n, vocab], slot order
+        for slot, (length, _, sampler), token in zip(slots, rows, out, strict=True):
             self.rows[slot] = (length + 1, token, sampler)
-            out.append(token)
         return out
 
     def release(self, slots: list[int]) -> None:
@@ -219,6 +290,13 @@ class _QueueStreamer:
 
 class _MicroRunner:
     """Static micro-batches through `sample(streamer=)`; shorter batches are padded."""
+
+    SAMPLE_KEYWORDS = ("sequence_length", "start_ids", "eos_token_override", "streamer", "top_k",
+                       "top_p", "temperature")
+
+    @classmethod
+    def check(cls, model_cls: type, buckets: list[int]) -> None:
+        check_keywords(model_cls.sample, cls.SAMPLE_KEYWORDS, f"{model_cls.__name__}.sample()")
 
     def __init__(self, model: Any, config: HandlerConfig, buckets: list[int], eos: int) -> None:
         self.model, self.eos = model, eos
@@ -258,8 +336,9 @@ class _MicroRunner:
 
         def run() -> None:
             try:
-                self.model.sample(ids, sequence_length=self.max_length, start_ids=start_ids,
-                                  eos_token_override=self.eos, streamer=streamer, **kwargs)
+                with torch.inference_mode():  # per thread; the embedding runs on CPU
+                    self.model.sample(ids, sequence_length=self.max_length, start_ids=start_ids,
+                                      eos_token_override=self.eos, streamer=streamer, **kwargs)
             except _Cancelled:
                 pass
             except Exception as exc:  # handed to the engine thread by decode()

@@ -1,4 +1,9 @@
-"""NeuronBackend on the transformers-neuronx fake: torch-identical tokens, cached starts."""
+"""NeuronBackend on the transformers-neuronx fake: the tokens the checkpoint gives, cached starts.
+
+The fake decides each forward() the way the real library does and keeps a KV row per
+compiled slot, so a call that would overwrite another sequence's cache on Inf2 changes
+that sequence's tokens here (tests/unit/test_neuron_fake.py shows the rules).
+"""
 
 from __future__ import annotations
 
@@ -39,38 +44,58 @@ def fake_sdk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
         del sys.modules[name]  # later tests must not find the fake through sys.modules
 
 
-def _config(tmp_path: Path, batching: str = "continuous", **neuron):
+def _config(tmp_path: Path, batching: str = "continuous", batch_size: int = 2, **neuron):
     settings = {"tp_degree": 2, "cores_per_instance": 4, "amp": "f32",
                 "cache_dir": str(tmp_path / "cache"), "core_lock_dir": str(tmp_path / "locks"),
                 **neuron}
-    return parse_config({"handler": {"backend": "neuron", "batching": batching, "batch_size": 2,
-                                     "max_length": 128, "max_new_tokens_limit": 64,
+    return parse_config({"handler": {"backend": "neuron", "batching": batching,
+                                     "batch_size": batch_size, "max_length": 128,
+                                     "max_new_tokens_limit": 64,
                                      "defaults": {"max_new_tokens": 16},
                                      "neuron": settings}}).handler
 
 
-def _backend(checkpoint: Path, tmp_path: Path, batching: str = "continuous", **neuron):
+def _backend(checkpoint: Path, tmp_path: Path, batching: str = "continuous", batch_size: int = 2,
+             **neuron):
     from handlers.backends.neuron_backend import NeuronBackend
 
-    return NeuronBackend(checkpoint, _config(tmp_path, batching, **neuron), tmp_path)
+    return NeuronBackend(checkpoint, _config(tmp_path, batching, batch_size, **neuron), tmp_path)
 
 
 def _events(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _torch_reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
-    from handlers.backends.torch_backend import TorchBackend
+_REFERENCE: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
 
-    cfg = parse_config({"handler": {"batch_size": 1, "max_length": 128,
-                                    "max_new_tokens_limit": 64}}).handler
-    ref = TorchBackend(checkpoint, cfg)
-    out = ref.prefill([0], [prompt], [SamplingParams()])
-    out += [ref.decode([0])[0] for _ in range(n - 1)]
+
+def _reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of the checkpoint by plain transformers (no cache), on any 4.x/5.x."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    key = (str(checkpoint), tuple(prompt), n)
+    if key not in _REFERENCE:
+        hf = LlamaForCausalLM.from_pretrained(str(checkpoint)).eval()
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        _REFERENCE[key] = ids[len(prompt):]
+    return _REFERENCE[key]
+
+
+def _greedy(backend, slot: int, prompt: list[int], n: int) -> list[int]:
+    out = backend.prefill([slot], [prompt], [SamplingParams()])
+    out += [backend.decode([slot])[0] for _ in range(n - 1)]
+    backend.release([slot])
     return out
 
 
-def test_continuous_matches_torch_and_admits_mid_decode(checkpoint, tmp_path, fake_sdk) -> None:
+def test_continuous_matches_the_checkpoint_and_admits_mid_decode(checkpoint, tmp_path,
+                                                                 fake_sdk) -> None:
+    """Regression (issue 11 item 1): int32 cache ids with int64 token ids made every decode
+    raise in the real _prepare_for_continuous_batching (base.py:L576-L585)."""
     b = _backend(checkpoint, tmp_path)
     assert b.start.compiled and b.eos_token_ids == frozenset({2})
     a = b.prefill([0], [PROMPTS[0]], [SamplingParams()])
@@ -80,10 +105,110 @@ def test_continuous_matches_torch_and_admits_mid_decode(checkpoint, tmp_path, fa
         x, y = b.decode([0, 1])
         a.append(x)
         c.append(y)
-    assert a == _torch_reference(checkpoint, PROMPTS[0], 7)
-    assert c == _torch_reference(checkpoint, PROMPTS[1], 6)
+    assert a == _reference(checkpoint, PROMPTS[0], 7)
+    assert c == _reference(checkpoint, PROMPTS[1], 6)
     b.release([0, 1])
     b.close()
+
+
+@pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
+                    reason="handlers/backends/torch_backend.py needs transformers 5 (issue 11)")
+def test_greedy_equals_the_torch_backend(checkpoint, tmp_path, fake_sdk) -> None:
+    from handlers.backends.torch_backend import TorchBackend
+
+    cfg = parse_config({"handler": {"batch_size": 1, "max_length": 128,
+                                    "max_new_tokens_limit": 64}}).handler
+    ref = TorchBackend(checkpoint, cfg)
+    b = _backend(checkpoint, tmp_path)
+    for prompt in ([67], PROMPTS[1]):
+        assert _greedy(b, 0, prompt, 8) == _greedy(ref, 0, prompt, 8)
+    b.close()
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 8, 9, 16])
+def test_continuous_prefills_every_length_the_buckets_allow(checkpoint, tmp_path, fake_sdk,
+                                                            length) -> None:
+    """Buckets [8, 16]: 1 and 2 tokens, bucket-1, bucket, bucket+1 (the next bucket), the
+    largest; a 1-token prompt runs context encoding, not token generation."""
+    b = _backend(checkpoint, tmp_path, context_length_estimate=[8, 16])
+    prompt = [1 + (7 * i) % 500 for i in range(length)]
+    assert _greedy(b, 1, prompt, 4) == _reference(checkpoint, prompt, 4)
+    b.close()
+
+
+def test_one_token_joiners_leave_a_running_request_alone(checkpoint, tmp_path, fake_sdk) -> None:
+    """Regression (issue 11 item 2): a 1-token prompt went down token generation, which writes
+    every compiled row at cache id 0 (base.py:L575-L587, layers/attention.py:L276-L296)."""
+    b = _backend(checkpoint, tmp_path, batch_size=3)
+    alone = _greedy(b, 0, PROMPTS[0], 7)
+    running = b.prefill([0], [PROMPTS[0]], [SamplingParams()])
+    running += b.decode([0])
+    joiner = b.prefill([1], [[67]], [SamplingParams()])  # "a": one token in the demo tokenizer
+    for _ in range(3):
+        x, y = b.decode([0, 1])
+        running.append(x)
+        joiner.append(y)
+    second = b.prefill([2], [[43]], [SamplingParams()])
+    for _ in range(2):
+        x, y, z = b.decode([0, 1, 2])
+        running.append(x)
+        joiner.append(y)
+        second.append(z)
+    assert running == alone == _reference(checkpoint, PROMPTS[0], 7)
+    assert joiner == _reference(checkpoint, [67], 6)
+    assert second == _reference(checkpoint, [43], 3)
+    b.close()
+
+
+def test_every_model_call_runs_under_inference_mode(checkpoint, tmp_path, fake_sdk) -> None:
+    """Regression (issue 11 item 3): forward()/sample() ran with autograd on."""
+    b = _backend(checkpoint, tmp_path)
+    eos_held = SamplingParams(min_new_tokens=3)  # the sampler edits the logits in place
+    _greedy(b, 0, PROMPTS[0], 3)
+    b.prefill([1], [[67]], [eos_held])
+    b.decode([1])
+    assert b.model.inference_modes and all(b.model.inference_modes)
+    b.close()
+    m = _backend(checkpoint, tmp_path / "micro", "micro")
+    m.prefill([0, 1], PROMPTS, [SamplingParams()] * 2)
+    m.decode([0, 1])
+    m.release([0, 1])
+    assert m.model.inference_modes and all(m.model.inference_modes)
+    m.close()
+
+
+def test_compilation_worker_count_reaches_neuron_config(checkpoint, tmp_path, fake_sdk) -> None:
+    """handler.neuron.compilation_worker_count -> NeuronConfig (config.py:L239); 0 -> the SDK's
+    default (None: every graph at once, base.py:L57-L58)."""
+    _backend(checkpoint, tmp_path).close()  # the default, 1
+    _backend(checkpoint, tmp_path / "all", compilation_worker_count=0).close()
+    assert [e["compilation_worker_count"] for e in _events(fake_sdk)] == [1, None]
+
+
+def test_keywords_the_sdk_would_swallow_are_refused(checkpoint, tmp_path, fake_sdk,
+                                                    monkeypatch) -> None:
+    """The real __init__ and sample() take **kwargs (llama/model.py:L32-L34, L405-L407): a
+    name the class lacks would be ignored, so the backend checks its own."""
+    import transformers_neuronx.llama.model as llama
+
+    original = llama.LlamaForSampling.__init__
+
+    def old_init(self, config, *, n_positions=2048, batch_size=1, amp="f32", neuron_config=None,
+                 **kwargs):  # an SDK without tp_degree / context_length_estimate
+        original(self, config, n_positions=n_positions, batch_size=batch_size, amp=amp,
+                 neuron_config=neuron_config, **kwargs)
+
+    monkeypatch.setattr(llama.LlamaForSampling, "__init__", old_init)
+    with pytest.raises(ConfigError, match=r"takes no \['context_length_estimate', 'tp_degree'\]"):
+        _backend(checkpoint, tmp_path)
+    monkeypatch.setattr(llama.LlamaForSampling, "__init__", original)
+
+    def old_sample(self, input_ids, sequence_length, start_ids=None, top_k=50, **kwargs):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(llama.LlamaForSampling, "sample", old_sample)
+    with pytest.raises(ConfigError, match=r"sample\(\) takes no \['eos_token_override'"):
+        _backend(checkpoint, tmp_path, "micro")
 
 
 def test_micro_streams_through_sample(checkpoint, tmp_path, fake_sdk) -> None:
@@ -98,8 +223,8 @@ def test_micro_streams_through_sample(checkpoint, tmp_path, fake_sdk) -> None:
     b.release([0])
     rows[1].append(b.decode([1])[0])
     b.release([1])  # the last slot: stops the sample() thread
-    assert rows[0] == _torch_reference(checkpoint, PROMPTS[0], 5)
-    assert rows[1] == _torch_reference(checkpoint, PROMPTS[1], 6)
+    assert rows[0] == _reference(checkpoint, PROMPTS[0], 5)
+    assert rows[1] == _reference(checkpoint, PROMPTS[1], 6)
     assert b.prefill([0], [PROMPTS[0]], [SamplingParams()]) == rows[0][:1]  # next batch
     b.close()
 
@@ -145,10 +270,12 @@ def test_seeded_sampling_is_reproducible_per_request(checkpoint, tmp_path, fake_
 def test_prompt_limits(checkpoint, tmp_path, fake_sdk) -> None:
     b = _backend(checkpoint, tmp_path, context_length_estimate=[16, 32])
     with pytest.raises(RequestError, match="largest prefill bucket 32"):
-        b.prefill([0], [[1] * 40], [SamplingParams()])
+        b.prefill([0], [[1] * 33], [SamplingParams()])
     with pytest.raises(RequestError, match="expected 1 to 127"):
         b.prefill([0], [[1] * 128], [SamplingParams()])
     b.close()
+    with pytest.raises(ConfigError, match="no bucket of 2 or more tokens"):
+        _backend(checkpoint, tmp_path, context_length_estimate=[1])
 
 
 def test_missing_sdk_names_the_install(checkpoint, tmp_path, fake_sdk, monkeypatch) -> None:

@@ -1,10 +1,11 @@
 """TEST FAKE of transformers-neuronx for inf2serve's tests; never shipped.
 
-It keeps the real package's public API and rules (argument names, load() before
-to_neuron(), compiled batch size and positions, heads divisible by tp_degree,
-streamer.put() of [batch, 1] token tensors) and computes with the real
-checkpoint on CPU through transformers, so generated text is real. See
-_runtime.py for the test hooks (compile/load event log, simulated NeuronCores).
+It keeps the real package's public API and the rules that decide behaviour (argument
+names, what is lenient and what raises, which graph a forward() call runs and which
+KV-cache rows it writes) and computes with the real checkpoint on CPU through
+transformers, so generated text is real. Each rule cites the real source at
+aws-neuron/transformers-neuronx@1ade6d7. See _runtime.py for the test hooks
+(compile/load event log, simulated NeuronCores).
 """
 
 from transformers_neuronx.config import ContinuousBatchingConfig, GenerationConfig, NeuronConfig

@@ -1,251 +1,184 @@
-"""Fake LlamaForSampling: the real API and its rules, computed on CPU with transformers.
+"""Fake LlamaForSampling: the real signatures and rules, computed on CPU with transformers.
 
-Rules enforced (each raises like the real stack would, or stricter):
-- exact keyword names in the constructor / from_pretrained (no silent **kwargs);
-- num_attention_heads divisible by tp_degree; GQA K/V heads shardable;
-- load(dir) only before to_neuron(); save(dir) only after it; forward/sample only after it;
-- the compiled batch size is fixed: other batch sizes raise; positions beyond
-  n_positions raise; continuous batching: seq ids < batch, prompt <= largest bucket;
-- to_neuron() after load() needs every NEFF of this graph in the directory;
-- streamer.put() receives [batch, 1] int tensors, then end().
+Lenient where the real class is: unknown constructor keywords are swallowed, attention
+heads that tp_degree does not divide are padded, K/V heads are replicated with a
+warning. Strict where it is: see base.py (inputs, serialization) and config.py.
+Features the fake does not simulate raise NotImplementedError (a fake limit, not a
+library rule). Citations are to
+aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from pathlib import Path
+import copy
+import warnings
 
 import torch
-from transformers import AutoConfig, LlamaForCausalLM
 
-from transformers_neuronx import _runtime
+from transformers_neuronx import bucket
+from transformers_neuronx.base import NeuronModelBase
 from transformers_neuronx.config import NeuronConfig
 from transformers_neuronx.constants import GQA
 
-AMP = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+NOT_SIMULATED = ("sparse_attn", "quant", "kv_cache_quant", "on_device_generation",
+                 "shard_over_sequence", "output_all_logits", "log_softmax_scores",
+                 "is_eagle_target", "is_eagle_draft", "sequence_parallel_norm")
 
 
-def _token_buckets(n_positions: int) -> list[int]:
-    buckets, b = [], 128
-    while b < n_positions:
-        buckets.append(b)
-        b *= 2
-    return buckets + [n_positions]
+def _gqa_fallback(nc: NeuronConfig, n_head: int, n_kv: int, tp: int, batch_sizes: list[int],
+                  head_size: int) -> None:
+    """Pick a GQA sharding that works, warning when it changes (decoder.py:L100-L176)."""
+    gqa = nc.group_query_attention
+    if gqa is None:
+        if n_head == n_kv:
+            return  # MHA: Q heads are padded to a multiple of tp, silently (utils.py:L325-L399)
+        nc.group_query_attention = GQA.SHARD_OVER_HEADS
+    if gqa == GQA.REPLICATED_HEADS:
+        return
+    if gqa == GQA.SHARD_OVER_BATCH:
+        bad = [b for b in batch_sizes if b % tp]
+        for b in bad:
+            warnings.warn(f'Cannot enable "{gqa}" when a batch size ({b} in {batch_sizes}) is not '
+                          f"evenly divisible by the tensor parallel degree ({tp})", stacklevel=3)
+            nc.group_query_attention = GQA.SHARD_OVER_HEADS
+        if not bad:
+            return
+    if gqa == GQA.ALL_GATHER_HEADS:
+        if (n_kv * head_size) % tp:
+            warnings.warn(f'Cannot enable "{gqa}" when the hidden size of KV ({n_kv} x '
+                          f"{head_size}) is not evenly divisible by the tensor parallel degree "
+                          f"({tp})", stacklevel=3)
+            nc.group_query_attention = GQA.SHARD_OVER_HEADS
+        if n_head % tp == 0 or (-n_head % tp) % n_kv == 0:
+            return
+        warnings.warn(f'Cannot enable "{gqa}" when the number of padding {-n_head % tp} need for '
+                      f"query attention heads ({n_head}) with the tensor parallel degree ({tp}) "
+                      f"is not divisible by KV heads ({n_kv})", stacklevel=3)
+        nc.group_query_attention = GQA.SHARD_OVER_HEADS
+    if n_kv % tp:
+        warnings.warn(f"KV head replication will be enabled since the number of KV heads ({n_kv}) "
+                      f"is not evenly divisible by the tensor parallel degree ({tp})", stacklevel=3)
+        nc.group_query_attention = GQA.REPLICATED_HEADS
 
 
-class LlamaForSampling:
+class LlamaForSampling(NeuronModelBase):
+    # unknown keywords land in **kwargs and are ignored (llama/model.py:L32-L34)
     def __init__(self, config, *, n_positions=2048, batch_size=1, amp="f32", tp_degree=2,
                  context_length_estimate=None, context_unroll=None, unroll=None,
-                 neuron_config=None, prefixed_length=0):
-        if amp not in AMP:
-            raise KeyError(f"amp {amp!r}: expected one of {sorted(AMP)}")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise TypeError("batch_size must be list of ints or int type")
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if heads % tp_degree:
-            raise ValueError(f"num_attention_heads {heads} is not divisible by tp_degree "
-                             f"{tp_degree}")
-        self.neuron_config = neuron_config if neuron_config is not None else NeuronConfig()
-        gqa = self.neuron_config.group_query_attention
-        if kv_heads != heads and gqa in (None, GQA.SHARD_OVER_HEADS) \
-                and kv_heads % tp_degree and tp_degree % kv_heads:
-            raise ValueError(f"shard-over-heads: {kv_heads} K/V heads cannot be split evenly "
-                             f"over tp_degree {tp_degree}")
-        if gqa == GQA.SHARD_OVER_BATCH and batch_size % tp_degree:
-            raise ValueError(f"shard-over-batch: batch_size {batch_size} is not divisible by "
-                             f"tp_degree {tp_degree}")
-        if isinstance(context_length_estimate, int):
-            context_length_estimate = [context_length_estimate]
-        buckets = sorted(context_length_estimate or [n // 2 for n in _token_buckets(n_positions)])
-        if buckets[-1] > n_positions:
-            raise ValueError(f"context_length_estimate {buckets[-1]} > n_positions {n_positions}")
-        cb = self.neuron_config.continuous_batching
-        if cb is not None and cb.batch_size_for_shared_caches != batch_size:
-            raise ValueError(f"batch_size_for_shared_caches {cb.batch_size_for_shared_caches} != "
-                             f"batch_size {batch_size}")
-        self.config = config
-        self.n_positions, self.batch_size, self.amp, self.tp_degree = (
-            n_positions, batch_size, amp, tp_degree)
-        self.batch_sizes = [batch_size]
-        self.context_buckets = buckets
-        self._checkpoint: str | None = None
-        self._load_dir: str | None = None
-        self._neffs: dict[str, bytes] | None = None
-        self._hf = None
-        self._rows: list[list[int]] = []  # static batching: real tokens of each row
-        self._length = 0  # static batching: positions filled (padded)
-        self._slots: dict[int, list[int]] = {}  # continuous batching: seq id -> tokens
+                 neuron_config=None, prefixed_length=0, **kwargs):
+        scaling = getattr(config, "rope_scaling", None)  # llama/config.py:L45-L48
+        kind = scaling.get("rope_type", scaling.get("type")) if scaling is not None else None
+        if scaling is not None and kind not in {"default", "llama3"}:
+            raise ValueError("Only default and llama3 ropes scaling types are currently "
+                             f"supported. Received {kind}")
+        self.rope_theta = getattr(config, "rope_theta", 10000)  # llama/config.py:L43
+        self.dtype = {**DTYPES, "s8": None, "f8e4m3fn": None}[amp]  # KeyError (dtypes.py:L18-L26)
+        if self.dtype is None:
+            raise NotImplementedError(f"fake: amp {amp!r} is not simulated")
+        self.neuron_config = neuron_config if neuron_config else NeuronConfig()  # L40
+        nc = self.neuron_config
+        used = [f for f in NOT_SIMULATED if getattr(nc, f, None)]
+        if used or prefixed_length or nc.use_1d_query or nc.on_device_embedding:
+            raise NotImplementedError(f"fake: {used or 'this NeuronConfig'} is not simulated")
+        self.config, self.amp, self.tp_degree = config, amp, tp_degree
+        self.token_buckets = bucket.token_sizes(n_positions)  # llama/model.py:L68-L69
+        self.context_buckets = bucket.context_sizes(context_length_estimate, self.token_buckets)
+        self.batch_sizes = bucket.batch_sizes(batch_size)  # llama/model.py:L83-L85
+        self.batch_size = self.batch_sizes[-1]
+        self.context_batch_sizes = [1] if nc.continuous_batching else self.batch_sizes
+        n_head = config.num_attention_heads
+        n_kv = getattr(config, "num_key_value_heads", None) or n_head
+        _gqa_fallback(nc, n_head, n_kv, tp_degree, self.batch_sizes,
+                      config.hidden_size // n_head)
+        self._weights = self._load_dir = self._neffs = self._hf = None
+        self._kv: dict[int, list[list[int]]] = {}
+        self.inference_modes: list[bool] = []  # test hook: inference_mode() on each forward
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_path, *model_args, **kwargs):
-        config = AutoConfig.from_pretrained(pretrained_model_path)
-        model = cls(config, *model_args, **kwargs)
-        if not any(os.path.isfile(os.path.join(pretrained_model_path, f)) for f in WEIGHT_FILES):
-            raise FileNotFoundError("Can not find model.safetensors or pytorch_model.bin in "
-                                    f"{pretrained_model_path}")
-        model._checkpoint = str(pretrained_model_path)
-        return model
+    def _build_hf(self, weights):
+        # the rotary theta the real library reads, even where transformers 5 keeps it only in
+        # rope_parameters (llama/config.py:L43)
+        cfg = copy.deepcopy(self._checkpoint_config)
+        if isinstance(getattr(cfg, "rope_parameters", None), dict):
+            cfg.rope_parameters = {**cfg.rope_parameters, "rope_theta": self.rope_theta}
+        self._checkpoint_config = cfg
+        return super()._build_hf(weights)
 
-    # --- compile / serialize -------------------------------------------------------------
-    def _graphs(self) -> dict[str, bytes]:
-        c = self.config
-        base = {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "vocab": c.vocab_size,
-                "heads": c.num_attention_heads, "tp": self.tp_degree, "amp": self.amp,
-                "batch": self.batch_size, "neuron_config": self.neuron_config.spec()}
-        specs = [{**base, "kind": "token", "bucket": b} for b in _token_buckets(self.n_positions)]
-        specs += [{**base, "kind": "context", "bucket": b} for b in self.context_buckets]
-        out = {}
-        for spec in specs:
-            hlo = json.dumps(spec, sort_keys=True)
-            name = hashlib.sha256(hlo.encode()).hexdigest()[:20] + ".neff"
-            body = {"hlo": spec, "cc_flags": os.environ.get("NEURON_CC_FLAGS", "")}
-            out[name] = json.dumps(body).encode() + bytes(range(256)) * 16
-        return out
-
-    def load(self, directory):
-        if self._hf is not None:
-            raise RuntimeError("load() must be called before to_neuron(); the model is already "
-                               "on Neuron")
-        self._load_dir = str(directory)
-
-    def to_neuron(self):
-        if self._hf is not None:
-            raise RuntimeError("to_neuron() was already called")
-        cores = _runtime.reserve_cores(self.tp_degree)
-        expected = self._graphs()
-        fields = {"visible_cores": cores, "tp_degree": self.tp_degree,
-                  "batch_size": self.batch_size, "cc_flags": os.environ.get("NEURON_CC_FLAGS")}
-        if self._load_dir is not None:
-            self._neffs = {}
-            for name in expected:
-                try:
-                    self._neffs[name] = Path(self._load_dir, name).read_bytes()
-                except FileNotFoundError:
-                    raise FileNotFoundError(
-                        "Could not find a matching NEFF for your HLO in this directory. Ensure "
-                        "that the model you are trying to load is the same type and has the same "
-                        "parameters as the one you saved or call \"save\" on this model to "
-                        "reserialize it.") from None
-            _runtime.record("load", directory=self._load_dir, **fields)
-        else:
-            _runtime.compile_delay()
-            self._neffs = expected
-            _runtime.record("compile", **fields)
-        hf = LlamaForCausalLM.from_pretrained(self._checkpoint, dtype=AMP[self.amp])
-        self._hf = hf.eval()
-
-    def save(self, directory):
-        if not self._neffs:
-            raise AssertionError("cannot save a model which has not been successfully compiled")
-        if os.path.isfile(directory):
-            raise FileExistsError(f"Artifacts should be saved to a directory. Found existing "
-                                  f"file: {directory}")
-        os.makedirs(directory, exist_ok=True)
-        for name, data in self._neffs.items():
-            Path(directory, name).write_bytes(data)
-
-    # --- execution -----------------------------------------------------------------------
-    def _ready(self) -> None:
-        if self._hf is None:
-            raise RuntimeError("call to_neuron() before running the model")
-
-    @torch.no_grad()
-    def _logits(self, rows: list[list[int]]) -> torch.Tensor:
-        out = [self._hf(torch.tensor([r])).logits[0, -1].float() for r in rows]
-        return torch.stack(out)  # [n, vocab]
-
-    def _check_position(self, pos: int) -> None:
-        if pos >= self.n_positions:
-            raise ValueError(f"position {pos} is beyond n_positions {self.n_positions}")
-
-    @torch.no_grad()
-    def forward(self, input_ids, cache_ids=None, start_ids=None):
+    def forward(self, input_ids, cache_ids=None, start_ids=None, last_token_id=None,
+                input_embeddings=None, **kwargs):
+        self.inference_modes.append(torch.is_inference_mode_enabled())
+        if last_token_id is not None or input_embeddings is not None or kwargs:
+            raise NotImplementedError("fake: pre-embedded inputs and paged attention")
+        plan = self._prepare(input_ids, cache_ids, start_ids)  # host-side rules first
         self._ready()
-        if self.neuron_config.continuous_batching is not None and start_ids is not None:
-            return self._forward_continuous(input_ids, cache_ids, start_ids)
-        batch, length = input_ids.shape  # input_ids: [batch, tokens]
-        if batch not in self.batch_sizes:
+        return self._run(plan)
+
+    __call__ = forward  # the real model is a torch.nn.Module
+
+    def sample(self, input_ids, sequence_length, cache_ids=None, start_ids=None, top_k=50,
+               top_p=1.0, eos_token_override=None, temperature=1.0, streamer=None,
+               stopping_criteria_list=None, no_repeat_ngram_size=None, **kwargs):
+        """The real sample_llama loop (sampling.py:L311-L395); extra keywords are ignored."""
+        batch, context_length = input_ids.shape
+        if batch not in self.batch_sizes:  # llama/model.py:L416-L419
             raise ValueError(f"Model not compiled for batch_size : {batch}. Acceptable "
                              f"batch_size is one of the following {self.batch_sizes}")
-        starts = [0] * batch if start_ids is None else [int(s) for s in start_ids]
-        if cache_ids is None:  # context: the whole (left-padded) prompt from position 0
-            self._check_position(length - 1)
-            self._rows = [input_ids[i, starts[i]:].tolist() for i in range(batch)]
-            self._length = length
-        else:  # one token per row at cache_ids[0]
-            pos = int(cache_ids.flatten()[0])
-            if length != 1 or pos != self._length:
-                raise ValueError(f"token step at cache id {pos} with {length} tokens; expected "
-                                 f"1 token at {self._length}")
-            self._check_position(pos)
-            for i in range(batch):
-                self._rows[i].append(int(input_ids[i, 0]))
-            self._length += 1
-        return self._logits(self._rows)
-
-    def _forward_continuous(self, input_ids, cache_ids, seq_ids):
-        n, length = input_ids.shape
-        seqs = [int(s) for s in seq_ids.flatten()]
-        if any(s < 0 or s >= self.batch_size for s in seqs) or len(seqs) != n:
-            raise ValueError(f"seq_ids {seqs} must be {n} ids in [0, {self.batch_size})")
-        if cache_ids is None or tuple(cache_ids.shape) != (n, length):
-            raise ValueError(f"continuous batching needs 2-D cache_ids of shape {(n, length)}")
-        if length > 1:  # context encoding
-            if length > self.context_buckets[-1]:
-                raise AssertionError(f"invalid input prompt length ({length} <= "
-                                     f"{self.context_buckets[-1]})")
-            for i, s in enumerate(seqs):
-                if cache_ids[i].tolist() != list(range(length)):
-                    raise ValueError("context cache_ids must be 0..len-1 per sequence")
-                self._slots[s] = input_ids[i].tolist()
-        else:
-            for i, s in enumerate(seqs):
-                pos = int(cache_ids[i, 0])
-                if s not in self._slots or pos != len(self._slots[s]):
-                    have = len(self._slots.get(s, []))
-                    raise ValueError(f"seq {s}: token at cache id {pos}, expected {have}")
-                self._check_position(pos)
-                self._slots[s].append(int(input_ids[i, 0]))
-        return self._logits([self._slots[s] for s in seqs])
-
-    @torch.no_grad()
-    def sample(self, input_ids, sequence_length, start_ids=None, top_k=50, top_p=1.0,
-               eos_token_override=None, temperature=1.0, streamer=None,
-               stopping_criteria_list=None, no_repeat_ngram_size=None):
-        self._ready()
-        if not isinstance(top_k, int) or top_k <= 0:
-            raise ValueError("top_k has to be a strictly positive int.")
-        if not isinstance(top_p, float) or not 0.0 < top_p <= 1.0:
-            raise ValueError("top_p has to be a strictly positive float that less than or "
-                             "equal to 1.0.")
-        if not isinstance(temperature, float) or temperature <= 0:
-            raise ValueError("temperature has to be a strictly positive float.")
+        if no_repeat_ngram_size:
+            raise NotImplementedError("fake: no_repeat_ngram_size")
+        _check_top_k_top_p(top_k, top_p)
         eos = self.config.eos_token_id if eos_token_override is None else eos_token_override
-        scores = self.forward(input_ids, None, start_ids)
-        batch, start = input_ids.shape
-        done = torch.zeros(batch, 1, dtype=torch.bool)
+        with torch.no_grad():  # @torch.no_grad() on sample_llama (sampling.py:L381)
+            scores = self(input_ids, cache_ids, start_ids)
+            if cache_ids is not None and self.neuron_config.use_2d_cache_ids:
+                cache_ids = cache_ids.max(dim=1, keepdim=True).values
+            return self._sample_loop(input_ids, start_ids, scores, sequence_length, eos, top_k,
+                                     top_p, temperature, streamer, stopping_criteria_list,
+                                     cache_ids)
+
+    def _sample_loop(self, input_ids, start_ids, scores, sequence_length, eos, top_k, top_p,
+                     temperature, streamer, criteria, cache_ids):
+        if not isinstance(temperature, float) or not temperature > 0:  # sampling.py:L315-L316
+            raise ValueError("temperature has to be a strictly positive float.")
+        eos_ids = torch.tensor([eos] if isinstance(eos, int) else eos, dtype=torch.int32)
+        done = torch.full((input_ids.size(0), 1), False)
         tokens = [input_ids]
-        for current in range(start, sequence_length):
-            scores = scores / temperature
+        start = input_ids.shape[1]
+        if cache_ids is None:
+            cache_ids = torch.as_tensor([start - 1], dtype=torch.int32)
+        else:
+            start = int(max(cache_ids.flatten())) + 1
+        for current in range(start, sequence_length):  # sampling.py:L332-L373
+            if temperature != 1.0:
+                scores = scores / temperature
             values, indices = torch.topk(scores, min(top_k, scores.shape[-1]))
-            probs = torch.softmax(values, dim=-1)
-            if top_p < 1.0:
-                keep = torch.cumsum(probs, dim=-1) - probs < top_p
-                probs = torch.where(keep, probs, torch.zeros_like(probs))
-            picked = torch.gather(indices, 1, torch.multinomial(probs, 1))  # [batch, 1]
-            done = done | (picked == eos)
-            token = torch.where(done, torch.full_like(picked, eos), picked)
+            probs = torch.softmax(values, dim=-1, dtype=torch.float32)
+            if top_p < 1.0:  # keep the smallest prefix whose mass reaches top_p
+                cum = torch.cumsum(probs, dim=-1)
+                probs = torch.where(cum - probs < top_p, probs, torch.zeros_like(probs))
+            inputs = torch.gather(indices, 1, torch.multinomial(probs, 1, replacement=True))
+            is_eos = torch.isin(inputs, eos_ids)
+            done = done | is_eos
+            token = torch.where(done & ~is_eos, eos_ids[0], inputs)
             tokens.append(token)
-            if streamer is not None:
+            if streamer is not None and getattr(streamer, "response_with_prefix", False):
+                streamer.put(torch.cat(tokens, dim=-1))
+            elif streamer:
                 streamer.put(token)
-            if current + 1 >= sequence_length or bool(done.all()):
+            if current + 1 > sequence_length or bool(done.all()):
                 break
-            scores = self.forward(picked, torch.as_tensor([current], dtype=torch.int32),
-                                  start_ids)
-        if streamer is not None:
+            if criteria is not None and criteria(input_ids, probs):
+                break
+            cache_ids = cache_ids + 1
+            scores = self(inputs, cache_ids, start_ids)
+        if streamer:
             streamer.end()
         return torch.cat(tokens, dim=-1)
+
+
+def _check_top_k_top_p(top_k, top_p) -> None:
+    # sampling.py:L183-L189
+    if top_k is not None and (not isinstance(top_k, int) or not top_k > 0):
+        raise ValueError("top_k has to be a strictly positive int.")
+    if top_p is not None and (not isinstance(top_p, float) or not 0.0 < top_p <= 1.0):
+        raise ValueError("top_p has to be a strictly positive float that less than or equal "
+                         "to 1.0.")
