@@ -138,8 +138,9 @@ def _write_meta(src: Path, out: Path, amp: str | None) -> None:
     if not (out / "generation_config.json").exists():
         from transformers import GenerationConfig, PretrainedConfig
 
-        GenerationConfig.from_model_config(PretrainedConfig.from_dict(config)).to_json_file(
-            out / "generation_config.json")
+        # rope_scaling is no generation setting; 5.x's base config warns that it is deprecated
+        base = PretrainedConfig.from_dict({k: v for k, v in config.items() if k != "rope_scaling"})
+        GenerationConfig.from_model_config(base).to_json_file(out / "generation_config.json")
 
 
 def amp_from_config(config_path: Path) -> str:
