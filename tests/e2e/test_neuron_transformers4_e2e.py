@@ -86,7 +86,7 @@ def test_neuron_archive_serves_under_transformers_4(overlay: Path, tiny_checkpoi
            "INF2SERVE_FAKE_NEURON_DEVICE_DIR": str(tmp_path / "device")}
     run_dir = tmp_path / "run"
     server = serve.start(store, ["tiny-neuron"], run_dir, env=env, python=str(python),
-                         ready_timeout_s=300, extra_props=_isolated_props())
+                         ready_timeout_s=150, extra_props=_isolated_props())
     try:
         texts = []
         for prompt in PROMPTS:
