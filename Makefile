@@ -9,7 +9,37 @@ DEMO_MODEL := demo/tiny-llama
 DEMO_NAME := tiny-llama
 PROMPT ?= Once upon a time
 
-.PHONY: install demo stop test lint bench clean
+# transformers 4.x overlays: this venv's interpreter with the Neuron SDKs' transformers.
+# Each is a --no-deps --target directory; first on PYTHONPATH it replaces the venv's 5.x
+# transformers, tokenizers and huggingface_hub (0.x, which needs requests), torch stays.
+# 4.48 (transformers-neuronx era) and 4.57 (newest SDK) run the neuron-path tests again;
+# 4.36, the floor transformers-neuronx accepts, joins the checkpoint and archive checks.
+OVERLAY_DIR := $(VENV)/overlays
+TF4_STACK := 4.48.3 4.57.6
+TF4_ALL := 4.36.2 $(TF4_STACK)
+tokenizers_4.36.2 := 0.15.2
+tokenizers_4.48.3 := 0.21.4
+tokenizers_4.57.6 := 0.22.2
+OVERLAY_COMMON := huggingface_hub==0.36.0 requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.2
+overlay = $(abspath $(OVERLAY_DIR))/transformers-$(1)
+OVERLAY_STAMPS := $(foreach v,$(TF4_ALL),$(call overlay,$(v))/.installed)
+empty :=
+space := $(empty) $(empty)
+TF4_OVERLAYS := $(subst $(space),:,$(foreach v,$(TF4_ALL),$(call overlay,$(v))))
+# What runs on an Inf2 host (the CLI there, the runtime in a neuron worker), run again
+# under each TF4_STACK overlay. Deselected: tests whose reference is the torch backend,
+# which needs transformers 5 (AttentionInterface).
+NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
+	tests/unit/test_cli_compile.py tests/unit/test_cli_inspect.py tests/unit/test_cli_package.py \
+	tests/unit/test_validate_cmd.py tests/unit/test_config.py tests/unit/test_scheduler.py \
+	tests/unit/test_engine.py tests/unit/test_request.py tests/unit/test_detokenize.py \
+	tests/unit/test_openai_api.py tests/e2e/test_neuron_e2e.py
+NEURON_STACK_DESELECT := \
+	--deselect tests/unit/test_neuron_backend.py::test_continuous_matches_torch_and_admits_mid_decode \
+	--deselect tests/unit/test_neuron_backend.py::test_micro_streams_through_sample \
+	--deselect tests/e2e/test_neuron_e2e.py::test_restart_loads_from_the_compile_cache
+
+.PHONY: install overlays demo stop test test-main test-neuron-stack lint bench clean
 
 install: $(STAMP)
 
@@ -21,8 +51,18 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,bench]"
+	$(PY) -m pip install -q -e ".[cpu,dev,bench]"
 	@touch $@
+
+overlays: $(OVERLAY_STAMPS)
+
+# built in DIR.tmp and renamed when it imports, so an interrupted build is redone
+$(abspath $(OVERLAY_DIR))/transformers-%/.installed: | $(STAMP)
+	@rm -rf $(@D) $(@D).tmp
+	$(PY) -m pip install -q --no-deps --target $(@D).tmp transformers==$* \
+	  tokenizers==$(tokenizers_$*) $(OVERLAY_COMMON) 2>&1 | grep -v "is ignored: it is neither" || true
+	PYTHONPATH=$(@D).tmp $(PY) -c 'import transformers as t; assert t.__version__ == "$*", t.__version__'
+	@mv $(@D).tmp $(@D) && touch $@
 
 demo: install
 	@test -f $(DEMO_MODEL)/config.json || $(CLI) demo-model $(DEMO_MODEL)
@@ -40,8 +80,19 @@ demo: install
 stop:
 	@test -x $(CLI) && $(CLI) stop --run-dir $(RUN_DIR) || echo "nothing to stop"
 
-test: install
-	$(PY) -m pytest tests -q
+test: test-main test-neuron-stack
+
+# the whole suite on the tested pins; checkpoint and archive checks also load under TF4_ALL
+test-main: install overlays
+	INF2SERVE_TF4_OVERLAYS=$(TF4_OVERLAYS) $(PY) -m pytest tests -q
+
+test-neuron-stack: install overlays
+	@for v in $(TF4_STACK); do \
+	  dir=$(call overlay,$$v); echo "== neuron-path tests under transformers $$v"; \
+	  PYTHONPATH=$$dir $(PY) -c "import transformers as t; assert t.__version__ == '$$v', t.__file__" \
+	  && PYTHONPATH=$$dir $(PY) -m pytest -q $(NEURON_STACK_TESTS) $(NEURON_STACK_DESELECT) \
+	  || exit 1; \
+	done
 
 lint: install
 	$(VENV)/bin/ruff check .

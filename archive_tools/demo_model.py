@@ -3,7 +3,8 @@
 Nothing is downloaded: the tokenizer is a byte-level BPE trained on a corpus
 shipped with the package plus seeded pseudo-words (so `bench` reaches its 8000
 entries), and the weights are drawn from a seeded generator. The same seed gives
-the same files.
+the same files, which transformers 4.36+ and 5.x read the same way
+(archive_tools/checkpoint_compat.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from archive_tools.checkpoint_compat import make_compatible
 from handlers.errors import Inf2ServeError
 
 
@@ -81,7 +83,8 @@ def build_tokenizer(size: DemoSize, seed: int):
         raise Inf2ServeError(f"demo tokenizer has {tok.get_vocab_size()} entries, "
                              f"expected {size.vocab}; the corpus is too small")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", model_max_length=size.max_positions)
+                                   unk_token="<unk>", model_max_length=size.max_positions,
+                                   clean_up_tokenization_spaces=False)
     fast.chat_template = LLAMA2_CHAT_TEMPLATE
     return fast
 
@@ -110,7 +113,9 @@ def build_demo_model(out: Path, size_name: str = "tiny", seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        # the template inline in tokenizer_config.json: transformers < 4.47 reads only that
+        tokenizer.save_pretrained(tmp, save_jinja_files=False)
+        make_compatible(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.chmod(0o755)

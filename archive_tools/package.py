@@ -7,7 +7,7 @@ Archive layout (the same for every format):
     model-config.yaml     validated config
     <checkpoint>/         weights + tokenizer (handler.checkpoint, default "model")
     neuron_cache/         pre-compiled Neuron artifacts (optional)
-    requirements.txt      pinned runtime dependencies
+    requirements.txt      runtime dependencies (torch: pinned; neuron: none, the SDK's stay)
     MAR-INF/MANIFEST.json written by model_archiver's own manifest code
 
 Why not call torch-model-archiver: it copies every extra file into
@@ -47,7 +47,7 @@ from handlers.errors import Inf2ServeError
 FORMATS = {"mar": ".mar", "tgz": ".tar.gz", "zip-store": ".mar", "no-archive": ""}
 RUNTIME_PACKAGES = ("handlers", "neuron_cache")
 ENTRY_FILE = Path(__file__).resolve().parent / "data" / "handler_entry.py"
-PINNED = ("transformers", "tokenizers", "safetensors", "pyyaml")
+PINNED = ("transformers", "tokenizers", "safetensors", "pyyaml")  # torch backend, as built
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")  # torch-model-archiver's rule
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -118,16 +118,27 @@ def _walk(root: Path, prefix: str, link: bool = False) -> list[Entry]:
 
 
 def requirements_txt(config: ModelConfig) -> str:
-    """Pins the versions this archive was built and tested with."""
+    """The archive's runtime dependencies, for TorchServe's per-model pip install.
+
+    With TS_INSTALL_PY_DEP_PER_MODEL=true TorchServe 0.12 runs `pip install -U -t MODEL_DIR
+    -r requirements.txt` (ModelManager.setupModelDependencies): every listed package and its
+    dependencies land in the model directory, ahead of site-packages. torch backend: the
+    versions this archive was built and tested with, pinned. neuron backend: no requirement
+    at all, since the neuron runtime needs only what TorchServe and the Neuron SDK bring
+    (pyyaml, jinja2, torch, transformers, ...), and a transformers installed there would
+    shadow the one transformers-neuronx was built against.
+    """
+    if config.handler.backend == "neuron":
+        return ("# neuron backend: nothing to install. torch, transformers, tokenizers, "
+                "torch-neuronx,\n# transformers-neuronx and neuronx-cc come from the Neuron "
+                "DLAMI/DLC (or pip.repos.neuron.amazonaws.com)\n# and must not be replaced: "
+                "TorchServe installs this file with `pip install -U -t MODEL_DIR`.\n")
     lines = ["# runtime dependencies of this archive (TorchServe and torch come with the image)"]
     for dist in PINNED:
         try:
             lines.append(f"{dist}=={importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:
             lines.append(dist)
-    if config.handler.backend == "neuron":
-        lines.append("# neuron backend: torch-neuronx, transformers-neuronx and neuronx-cc come "
-                     "from the Neuron SDK (Neuron DLC or pip.repos.neuron.amazonaws.com)")
     return "\n".join(lines) + "\n"
 
 
@@ -297,8 +308,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "package", help="validate model-config.yaml and build a TorchServe archive",
         description="Validate model-config.yaml, then build a self-contained TorchServe archive "
-        "(runtime and pinned requirements inside). The archive is built next to the output and "
-        "renamed into place when complete.\n\nexamples:\n"
+        "(runtime and requirements.txt inside: pinned for torch; empty for neuron, so the Neuron "
+        "SDK's packages stay). The archive is built next to the output and renamed into place "
+        "when complete.\n\nexamples:\n"
         "  inf2serve package --config model_configs/tiny-llama-cpu.yaml "
         "--checkpoint demo/tiny-llama --name tiny-llama --out model_store\n"
         "  inf2serve package --config llama.yaml --checkpoint /data/llama-7b --name llama "

@@ -3,8 +3,9 @@
 A serving checkpoint is what `package` puts under the archive's model/: weights
 cast to the configured amp dtype (safetensors, or the legacy split layout older
 transformers-neuronx loads), config.json with the new dtype, generation_config.json
-and the tokenizer files. Tensors are streamed one source shard at a time
-(safetensors `safe_open`, or mmap'd torch.load for .bin), so a 70B checkpoint
+and the tokenizer files, which transformers 4.36+ (the Neuron SDKs') and 5.x read the
+same way (archive_tools/checkpoint_compat.py). Tensors are streamed one source shard
+at a time (safetensors `safe_open`, or mmap'd torch.load for .bin), so a 70B checkpoint
 never has to fit in memory as a model. The output is written to a work dir next
 to OUT and renamed into place when complete.
 """
@@ -17,6 +18,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from archive_tools.checkpoint_compat import make_compatible
 from archive_tools.fileops import human, progress_bar, staged
 from handlers.config import load_config
 from handlers.errors import Inf2ServeError
@@ -130,14 +132,15 @@ def _write_meta(src: Path, out: Path, amp: str | None) -> None:
                 shutil.copyfile(path, out / path.name)
     config = json.loads((out / "config.json").read_text())
     if amp is not None:
-        config.pop("torch_dtype", None)  # transformers < 5 name; 5.x writes "dtype"
-        config["dtype"] = AMP_DTYPES[amp]
+        config["dtype"] = AMP_DTYPES[amp]  # make_compatible mirrors it to 4.x's torch_dtype
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    make_compatible(out)
     if not (out / "generation_config.json").exists():
         from transformers import GenerationConfig, PretrainedConfig
 
-        GenerationConfig.from_model_config(PretrainedConfig.from_dict(config)).to_json_file(
-            out / "generation_config.json")
+        # rope_scaling is no generation setting; 5.x's base config warns that it is deprecated
+        base = PretrainedConfig.from_dict({k: v for k, v in config.items() if k != "rope_scaling"})
+        GenerationConfig.from_model_config(base).to_json_file(out / "generation_config.json")
 
 
 def amp_from_config(config_path: Path) -> str:

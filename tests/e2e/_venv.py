@@ -10,6 +10,10 @@ requirement closure, resolved from this interpreter's installed metadata, dist-i
 included so version checks work). inf2serve and everything else are absent.
 INF2SERVE_E2E_VENV=pip instead pip-installs the same pins (slow; from the local
 wheel cache/index the machine's pip config points at, CPU torch only).
+
+Given a transformers 4.x overlay (tests/overlays.py), the closure is resolved with the
+overlay's distributions first, as PYTHONPATH would import them: the venv then holds the
+overlay's transformers, tokenizers and huggingface_hub and this interpreter's torch.
 """
 
 from __future__ import annotations
@@ -31,11 +35,19 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def requirement_closure(roots: tuple[str, ...] = ROOTS) -> list[metadata.Distribution]:
-    """Installed distributions needed by `roots` (markers evaluated, extras ignored)."""
+def requirement_closure(roots: tuple[str, ...] = ROOTS,
+                        overlay: Path | None = None) -> list[metadata.Distribution]:
+    """Installed distributions needed by `roots` (markers evaluated, extras ignored).
+
+    A name installed twice resolves to the first on the path (`overlay`, then sys.path),
+    as the import system would pick it.
+    """
     from packaging.requirements import Requirement
 
-    installed = {_norm(d.metadata["Name"]): d for d in metadata.distributions()}
+    path = ([str(overlay)] if overlay else []) + sys.path
+    installed: dict[str, metadata.Distribution] = {}
+    for d in metadata.distributions(path=path):
+        installed.setdefault(_norm(d.metadata["Name"]), d)
     todo, seen = [_norm(r) for r in roots], {}
     while todo:
         name = todo.pop()
@@ -60,7 +72,8 @@ def _top_levels(dist: metadata.Distribution) -> set[str]:
     return out
 
 
-def make_link_venv(dest: Path) -> Path:
+def make_link_venv(dest: Path, overlay: Path | None = None,
+                   roots: tuple[str, ...] = ROOTS) -> Path:
     """Venv whose only third-party packages are symlinks to the closure; returns its python."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
     py = dest / "bin" / "python"
@@ -69,7 +82,7 @@ def make_link_venv(dest: Path) -> Path:
                                text=True).stdout.strip())
     deps = dest / "deps"
     deps.mkdir()
-    for dist in requirement_closure():
+    for dist in requirement_closure(roots, overlay):
         root = Path(dist.locate_file(""))
         for name in _top_levels(dist):
             src = root / name
@@ -87,18 +100,27 @@ def _console_script(venv: Path, name: str, module: str, func: str) -> None:
     script.chmod(0o755)
 
 
-def make_pip_venv(dest: Path) -> Path:
+def make_pip_venv(dest: Path, overlay: Path | None = None) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(dest)], check=True)
     py = dest / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--only-binary=:all:", *PIP_PINS],
+    pins = list(PIP_PINS)
+    if overlay is not None:  # the overlay's versions instead of ours
+        found = {_norm(d.metadata["Name"]): d.version
+                 for d in metadata.distributions(path=[str(overlay)])}
+        pins = [p for p in pins if _norm(re.split(r"[=<>]", p)[0]) not in found]
+        pins += [f"{name}=={version}" for name, version in sorted(found.items())]
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--only-binary=:all:", *pins],
                    check=True)
     return py
 
 
-def make_serving_venv(dest: Path) -> Path:
+def make_serving_venv(dest: Path, overlay: Path | None = None,
+                      roots: tuple[str, ...] = ROOTS) -> Path:
     """The serving venv's python (kind chosen by $INF2SERVE_E2E_VENV: link or pip)."""
     kind = os.environ.get("INF2SERVE_E2E_VENV", "link")
-    return make_pip_venv(dest) if kind == "pip" else make_link_venv(dest)
+    if kind == "pip":
+        return make_pip_venv(dest, overlay)
+    return make_link_venv(dest, overlay, roots)
 
 
 def importable(python: Path, module: str, cwd: Path) -> bool:

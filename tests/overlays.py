@@ -1,0 +1,52 @@
+"""transformers 4.x overlays: this interpreter with the Neuron SDKs' transformers.
+
+`make test` builds each overlay with `pip install --no-deps --target DIR transformers==4.x
+tokenizers huggingface_hub requests ...` and lists them in $INF2SERVE_TF4_OVERLAYS
+(os.pathsep-separated). First on PYTHONPATH, a directory replaces the 5.x transformers,
+tokenizers and huggingface_hub of the venv; torch and everything else stay the venv's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ENV = "INF2SERVE_TF4_OVERLAYS"
+NONE_REASON = f"no transformers 4.x overlays: `make test` builds them and sets ${ENV}"
+
+
+def overlays() -> list[Path]:
+    """The overlay directories $INF2SERVE_TF4_OVERLAYS names (each must hold transformers)."""
+    dirs = [Path(p) for p in os.environ.get(ENV, "").split(os.pathsep) if p]
+    for d in dirs:
+        if not (d / "transformers").is_dir():
+            raise RuntimeError(f"${ENV}: {d} holds no transformers package; run `make overlays`")
+    return dirs
+
+
+def transformers_version(overlay: Path) -> str:
+    """The version of the transformers distribution installed in `overlay`."""
+    dists = [d for d in metadata.distributions(path=[str(overlay)])
+             if re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() == "transformers"]
+    return dists[0].version
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
+def overlay_env(overlay: Path) -> dict[str, str]:
+    """os.environ with `overlay` alone on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": str(overlay)}
+
+
+def overlay_params() -> list:
+    """pytest params, one per overlay (id: its transformers version); skipped when none."""
+    found = overlays()
+    if not found:
+        return [pytest.param(None, id="no-overlay", marks=pytest.mark.skip(reason=NONE_REASON))]
+    return [pytest.param(d, id=f"transformers-{transformers_version(d)}") for d in found]
