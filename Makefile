@@ -27,17 +27,13 @@ empty :=
 space := $(empty) $(empty)
 TF4_OVERLAYS := $(subst $(space),:,$(foreach v,$(TF4_ALL),$(call overlay,$(v))))
 # What runs on an Inf2 host (the CLI there, the runtime in a neuron worker), run again
-# under each TF4_STACK overlay. Deselected: tests whose reference is the torch backend,
-# which needs transformers 5 (AttentionInterface).
+# under each TF4_STACK overlay (tests comparing with the torch backend, which needs
+# transformers 5, skip themselves there).
 NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
 	tests/unit/test_cli_compile.py tests/unit/test_cli_inspect.py tests/unit/test_cli_package.py \
 	tests/unit/test_validate_cmd.py tests/unit/test_config.py tests/unit/test_scheduler.py \
 	tests/unit/test_engine.py tests/unit/test_request.py tests/unit/test_detokenize.py \
 	tests/unit/test_openai_api.py tests/e2e/test_neuron_e2e.py
-NEURON_STACK_DESELECT := \
-	--deselect tests/unit/test_neuron_backend.py::test_continuous_matches_torch_and_admits_mid_decode \
-	--deselect tests/unit/test_neuron_backend.py::test_micro_streams_through_sample \
-	--deselect tests/e2e/test_neuron_e2e.py::test_restart_loads_from_the_compile_cache
 
 .PHONY: install overlays demo stop test test-main test-neuron-stack lint bench clean
 
@@ -90,7 +86,7 @@ test-neuron-stack: install overlays
 	@for v in $(TF4_STACK); do \
 	  dir=$(call overlay,$$v); echo "== neuron-path tests under transformers $$v"; \
 	  PYTHONPATH=$$dir $(PY) -c "import transformers as t; assert t.__version__ == '$$v', t.__file__" \
-	  && PYTHONPATH=$$dir $(PY) -m pytest -q $(NEURON_STACK_TESTS) $(NEURON_STACK_DESELECT) \
+	  && PYTHONPATH=$$dir $(PY) -m pytest -q $(NEURON_STACK_TESTS) \
 	  || exit 1; \
 	done
 

@@ -21,6 +21,15 @@ def load_backend(config: HandlerConfig, model_dir: Path) -> Backend:
         from handlers.backends.neuron_backend import NeuronBackend
 
         return NeuronBackend(checkpoint, config, model_dir=model_dir)
-    from handlers.backends.torch_backend import TorchBackend
+    try:
+        from handlers.backends.torch_backend import TorchBackend
+    except ImportError as exc:  # a Neuron SDK stack ships transformers 4.x
+        import transformers
 
+        from handlers.errors import ConfigError
+
+        raise ConfigError(
+            f"handler.backend: 'torch' needs transformers>=5 (its attention and cache "
+            f"interfaces), this worker has {transformers.__version__}; use backend 'neuron' "
+            f"on a Neuron SDK stack ({exc})") from exc
     return TorchBackend(checkpoint, config)

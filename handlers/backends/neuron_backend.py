@@ -199,8 +199,9 @@ class _ContinuousRunner:
     Token ids, cache ids and seq ids all go as int64: token generation scatters cache_ids
     into a tensor of input_ids' dtype, so the two must match (base.py:L576-L585); int64 is
     what vLLM passes, and each input is cast to its compiled buffer's dtype on the way to
-    the device (decoder.py:L2197). Every call runs under inference_mode: the embedding runs
-    on CPU with trainable parameters (llama/model.py:L280-L282).
+    the device (decoder.py:L2197; compiler.py:L396-L397 with the executor). Every call runs
+    under inference_mode: the embedding runs on CPU with trainable parameters
+    (llama/model.py:L280-L282).
     """
 
     @staticmethod

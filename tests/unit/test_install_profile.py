@@ -141,3 +141,14 @@ def test_a_torch_archive_still_pins_the_transformers_it_was_built_with(tiny_chec
             if ln and not ln.startswith("#")]
     pins = {r.name: str(r.specifier) for r in reqs}
     assert pins["transformers"] == f"=={metadata.version('transformers')}"
+
+
+def test_the_torch_backend_on_transformers_4_names_the_key(monkeypatch, tmp_path: Path) -> None:
+    """A Neuron SDK stack has transformers 4.x, where the torch backend cannot import."""
+    from handlers.backends import load_backend
+    from handlers.config import parse_config
+    from handlers.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "handlers.backends.torch_backend", None)  # ImportError
+    with pytest.raises(ConfigError, match=r"handler\.backend: 'torch' needs transformers>=5"):
+        load_backend(parse_config({"handler": {}}).handler, tmp_path)
