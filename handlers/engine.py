@@ -35,6 +35,7 @@ class Engine:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._load: tuple[int, int] | None = None  # (waiting, busy) last reported
 
     # -- called from request threads -------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -103,9 +104,26 @@ class Engine:
             except Exception:  # the loop must survive anything a step can throw
                 logger.exception("engine step failed")
                 self._fail(list(self.scheduler.running.values()), 500, "internal error")
+                self._report_load()
 
     def step(self) -> None:
-        """One iteration: release cancelled, prefill newcomers, decode the running batch."""
+        """One iteration: release cancelled, prefill newcomers, decode the running batch;
+        then the load gauges, if they changed."""
+        try:
+            self._step()
+        finally:
+            self._report_load()
+
+    def _report_load(self) -> None:
+        """Waiting requests and busy slots, for autoscalers: observed when they change."""
+        with self._cond:
+            load = (len(self.scheduler.waiting), len(self.scheduler.running))
+        if load != self._load:
+            self._load = load
+            self._observe("WaitingRequests", load[0], "count")
+            self._observe("BusySlots", load[1], "count")
+
+    def _step(self) -> None:
         with self._cond:
             cancelled = self.scheduler.take_cancelled()
             newcomers = self.scheduler.admit()

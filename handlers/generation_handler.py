@@ -18,8 +18,10 @@ from typing import Any
 from handlers.apis import Immediate, NativeApi, select_api
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig, parse_config
+from handlers.engine import Observer
 from handlers.errors import CapacityError, RequestError
 from handlers.framing import Framer, native_framer
+from handlers.metrics import MetricsReporter, worker_id
 from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.service import GenerationService
 
@@ -182,21 +184,21 @@ class GenerationHandler:
                 return writer.fail(end.status, framer.error(end.status, end.message))
 
     @staticmethod
-    def _observer(context: Any):
-        """Engine observations -> TorchServe custom metrics (thread-safe: they log)."""
+    def _observer(context: Any) -> Observer:
+        """Engine observations -> TorchServe custom metrics, emitted by handlers/metrics.py's
+        thread (TorchServe's metric objects log a line per update)."""
         from ts.metrics.metric_type_enum import MetricTypes
 
-        types = {"TimeToFirstToken": ("ms", MetricTypes.HISTOGRAM),
-                 "EngineQueueTime": ("ms", MetricTypes.HISTOGRAM),
-                 "GeneratedTokens": ("count", MetricTypes.COUNTER)}
-        model = context.model_name
-        metrics = {name: context.metrics.add_metric_to_cache(name, unit, ["ModelName"], kind)
-                   for name, (unit, kind) in types.items()}
+        types = {"counter": MetricTypes.COUNTER, "gauge": MetricTypes.GAUGE}
+        cache: dict[str, Any] = {}
 
-        def observe(name: str, value: float, unit: str) -> None:
-            metrics[name].add_or_update(value, [model])
+        def emit(name: str, unit: str, kind: str, value: float, labels: dict[str, str]) -> None:
+            if name not in cache:
+                cache[name] = context.metrics.add_metric_to_cache(name, unit, list(labels),
+                                                                  types[kind])
+            cache[name].add_or_update(value, list(labels.values()))
 
-        return observe
+        return MetricsReporter(emit, context.model_name, worker_id()).start().observe
 
 
 def _payload(item: dict) -> Any:

@@ -203,3 +203,59 @@ def test_answered_requests_leave_the_frontend(server):
     after = live_requests(server.pid)
     # before the fix every answer but the streamed ones stayed: 6 x 20 = 120 more
     assert after - before < 5, (before, after)
+
+
+def scrape(server) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample on the metrics port."""
+    import re
+
+    out = []
+    for line in httpx.get(f"{server.metrics_url}/metrics", timeout=10).text.splitlines():
+        m = re.fullmatch(r"(\w+)\{(.*)\}\s+(\S+)", line.strip())
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            out.append((m.group(1), labels, float(m.group(3))))
+    return out
+
+
+def wait_for(server, name: str, ok: Callable[[dict], bool], model: str = TINY) -> dict:
+    """The samples of `name` for `model` as {le, else WorkerId, else "": value}, once they
+    satisfy `ok` (the worker emits metrics every 0.5 s)."""
+    import time
+
+    got: dict = {}
+    for _ in range(100):
+        got = {labels.get("le", labels.get("WorkerId", "")): value
+               for n, labels, value in scrape(server)
+               if n == name and labels.get("ModelName") == model}
+        if got and ok(got):
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"{name} for {model}: {got or 'absent'}")
+
+
+def test_prometheus_shows_ttft_in_finite_buckets_and_load_gauges(server):
+    call(server, f"/predictions/{TINY}", {"prompt": "Hi", "stream": False, **SHORT})
+    count = wait_for(server, "TimeToFirstToken_count", lambda got: got[""] >= 1)[""]
+    for _ in range(3):
+        call(server, f"/predictions/{TINY}", {"prompt": "Hi", "stream": False, **SHORT})
+    wait_for(server, "TimeToFirstToken_count", lambda got: got[""] >= count + 3)
+    for name in ("TimeToFirstToken_bucket", "EngineQueueTime_bucket"):
+        buckets = wait_for(server, name, lambda got: True)
+        finite = {float(le): v for le, v in buckets.items() if le != "+Inf"}
+        assert min(finite) == 1 and max(finite) == 60_000, buckets
+        assert finite[60_000] == buckets["+Inf"] >= 3  # every observation in a finite bucket
+    ttft = wait_for(server, "TimeToFirstToken_bucket", lambda got: True)
+    assert ttft["1"] < ttft["+Inf"]  # a prefill takes more than a millisecond
+
+    # the load gauges follow long streams on the tight model's one slot and queue place
+    threads = hold_the_tight_model(server)
+    try:
+        busy = wait_for(server, "BusySlots", lambda got: 1 in got.values(), TIGHT)
+        assert list(busy) != [""]  # labelled with the worker
+        wait_for(server, "WaitingRequests", lambda got: 1 in got.values(), TIGHT)
+    finally:
+        for t in threads:
+            t.join(120)
+    wait_for(server, "BusySlots", lambda got: set(got.values()) == {0}, TIGHT)
+    wait_for(server, "WaitingRequests", lambda got: set(got.values()) == {0}, TIGHT)
