@@ -8,7 +8,8 @@ Every answer is checked (status, content type, token count or error field). The
 frontend's (java) and the worker's RSS are sampled every few seconds; the growth per
 request after warm-up (the first third of the requests) is the least-squares slope of
 RSS over answered requests. Where the JDK's jcmd exists, the frontend's live request
-objects are counted at the end.
+objects are counted every minute and at the end. After a failed answer the server's logs
+are kept (their path is printed).
 
   python bench/soak.py --duration 600 --out bench/results/soak-after.json
   python bench/soak.py --repo /path/to/older/checkout --out bench/results/soak-before.json
@@ -124,11 +125,12 @@ def kinds() -> list[Kind]:
 class Memory:
     """RSS of the frontend (java) and its worker processes, sampled on a thread."""
 
-    def __init__(self, frontend_pid: int, done: Callable[[], int], every_s: float) -> None:
+    def __init__(self, frontend_pid: int, done: Callable[[], int], every_s: float,
+                 count_every: int = 12) -> None:
         import psutil
 
         self.frontend = psutil.Process(frontend_pid)
-        self.done, self.every_s = done, every_s
+        self.done, self.every_s, self.count_every = done, every_s, count_every
         self.samples: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -136,10 +138,12 @@ class Memory:
 
     def sample(self) -> None:
         workers = [p for p in self.frontend.children(recursive=True) if "python" in p.name()]
-        self.samples.append({"t_s": round(time.monotonic() - self.started, 1),
-                             "requests": self.done(),
-                             "frontend_rss_kb": self.frontend.memory_info().rss // 1024,
-                             "worker_rss_kb": sum(p.memory_info().rss for p in workers) // 1024})
+        sample = {"t_s": round(time.monotonic() - self.started, 1), "requests": self.done(),
+                  "frontend_rss_kb": self.frontend.memory_info().rss // 1024,
+                  "worker_rss_kb": sum(p.memory_info().rss for p in workers) // 1024}
+        if len(self.samples) % self.count_every == 0:  # a full GC in the frontend: not often
+            sample["live_request_objects"] = live_request_objects(self.frontend.pid)
+        self.samples.append(sample)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -248,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
     from tests.e2e.harness import ArchiveSpec, build_store, running_server
 
     work = Path(tempfile.mkdtemp(prefix="inf2serve-soak-"))
+    result: dict = {"failed": 1}
     try:
         checkpoint = build_demo_model(work / "ckpt", "tiny", seed=0)
         store = build_store(work, checkpoint, [ArchiveSpec(MODEL, handler=HANDLER)])
@@ -258,7 +263,10 @@ def run(args: argparse.Namespace) -> int:
                                 capture_output=True, text=True).stdout.strip()
         result = {"repo_commit": commit or None, "label": args.label, **result}
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if result["failed"]:
+            print(f"server logs kept in {work / 'run' / 'logs'}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
