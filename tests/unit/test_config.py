@@ -32,6 +32,12 @@ def test_shipped_tiny_config_loads_and_round_trips():
     ({"handler": {"neuron": {"context_length_estimate": ["a"]}}}, "not prefill lengths"),
     ({"handler": {"max_length": 512, "max_new_tokens_limit": 256,
                   "neuron": {"context_length_estimate": [1024]}}}, "not prefill lengths"),
+    ({"handler": {"request_timeout_s": 10, "max_request_timeout_s": 5}},
+     r"handler.request_timeout_s: 10 must be in \(0, handler.max_request_timeout_s 5\]"),
+    ({"handler": {"request_timeout_s": 0, "max_request_timeout_s": 5}}, "set it to 0"),
+    ({"handler": {"request_timeout_s": -1}}, "out of range"),
+    ({"clientTimeoutInMills": 60_000, "handler": {"request_timeout_s": 30}},
+     r"max_request_timeout_s: 3600 must be in \(0, clientTimeoutInMills/1000 = 60\]"),
 ])
 def test_errors_name_the_key_and_the_fix(data, message):
     with pytest.raises(ConfigError, match=message):
@@ -50,3 +56,10 @@ def test_yaml_errors(tmp_path):
     bad.write_text("handler: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_deadline_defaults_and_no_cap():
+    h = parse_config({}).handler
+    assert (h.request_timeout_s, h.max_request_timeout_s) == (300.0, 3600.0)
+    h = parse_config({"handler": {"request_timeout_s": 0, "max_request_timeout_s": 0}}).handler
+    assert h.request_timeout_s == 0  # no deadline, no cap: an operator's explicit choice
