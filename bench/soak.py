@@ -7,11 +7,16 @@ chat (streamed and not), the SageMaker `/invocations` path and bad requests (400
 Every answer is checked (status, content type, token count or error field). The
 frontend's (java) and the worker's RSS are sampled every few seconds; the growth per
 request after warm-up (the first third of the requests) is the least-squares slope of
-RSS over answered requests. Where the JDK's jcmd exists, the frontend's live request
-objects are counted every minute and at the end. After a failed answer the server's logs
-are kept (their path is printed).
+RSS over answered requests. Where the JDK's jcmd exists, every `--count-every` samples
+and at the end a full GC runs in the frontend and the live request objects and the heap in
+use after it are recorded: the slope of the latter is the frontend's growth with the JVM's
+heap sizing taken out (RSS also grows while the JVM expands its heap towards its default
+maximum, a quarter of RAM). `--heap-mb` fixes the heap (-Xms = -Xmx, pre-touched) so RSS
+shows only what lives outside it. After a failed answer the server's logs are kept (their
+path is printed).
 
   python bench/soak.py --duration 600 --out bench/results/soak-after.json
+  python bench/soak.py --duration 180 --heap-mb 256 --count-every 3 --out /tmp/soak.json
   python bench/soak.py --repo /path/to/older/checkout --out bench/results/soak-before.json
   python bench/soak.py report bench/results/soak-before.json bench/results/soak-after.json
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -143,6 +149,7 @@ class Memory:
                   "worker_rss_kb": sum(p.memory_info().rss for p in workers) // 1024}
         if len(self.samples) % self.count_every == 0:  # a full GC in the frontend: not often
             sample["live_request_objects"] = live_request_objects(self.frontend.pid)
+            sample["frontend_heap_after_gc_kb"] = heap_used_kb(self.frontend.pid)
         self.samples.append(sample)
 
     def _run(self) -> None:
@@ -184,8 +191,19 @@ def live_request_objects(pid: int) -> int | None:
     return 0
 
 
+def heap_used_kb(pid: int) -> int | None:
+    """The frontend's heap in use, read right after `live_request_objects`' full GC."""
+    if shutil.which("jcmd") is None:
+        return None
+    out = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True, text=True,
+                         timeout=60).stdout
+    # G1, Java 17: " garbage-first heap   total 262144K, used 41234K [0x..."
+    match = re.search(r"heap\s+total \d+K, used (\d+)K", out)
+    return int(match.group(1)) if match else None
+
+
 def soak(server, max_requests: int, duration_s: float, concurrency: int,
-         sample_every_s: float) -> dict:
+         sample_every_s: float, count_every: int = 12) -> dict:
     order = itertools.cycle(kinds())
     lock = threading.Lock()
     counts: Counter[str] = Counter()
@@ -218,7 +236,7 @@ def soak(server, max_requests: int, duration_s: float, concurrency: int,
 
     started = time.monotonic()
     with Memory(server.pid, lambda: sum(v for k, v in counts.items() if k != "failed"),
-                sample_every_s) as memory:
+                sample_every_s, count_every) as memory:
         threads = [threading.Thread(target=client) for _ in range(concurrency)]
         for t in threads:
             t.start()
@@ -227,6 +245,7 @@ def soak(server, max_requests: int, duration_s: float, concurrency: int,
     elapsed = time.monotonic() - started
     answered = sum(v for k, v in counts.items() if k != "failed")
     warmup = answered // 3  # the JVM grows its heap for a while whether or not it leaks
+    gc_points = [s for s in memory.samples if s.get("frontend_heap_after_gc_kb") is not None]
     return {
         "requests": answered, "failed": counts["failed"], "seconds": round(elapsed, 1),
         "requests_per_s": round(answered / elapsed, 2), "concurrency": concurrency,
@@ -236,7 +255,10 @@ def soak(server, max_requests: int, duration_s: float, concurrency: int,
                                                                "frontend_rss_kb", warmup)),
         "worker_kb_per_request": _round(slope_kb_per_request(memory.samples, "worker_rss_kb",
                                                              warmup)),
+        "frontend_live_heap_kb_per_request": _round(slope_kb_per_request(
+            gc_points, "frontend_heap_after_gc_kb", warmup)),
         "live_request_objects_at_end": live_request_objects(server.pid),
+        "frontend_heap_after_gc_kb_at_end": heap_used_kb(server.pid),
         "samples": memory.samples,
     }
 
@@ -256,12 +278,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         checkpoint = build_demo_model(work / "ckpt", "tiny", seed=0)
         store = build_store(work, checkpoint, [ArchiveSpec(MODEL, handler=HANDLER)])
-        with running_server(store, work / "run", [MODEL]) as server:
+        # fixed and pre-touched: RSS then grows only with what lives outside the heap
+        heap = {"vmargs": f"-Xms{args.heap_mb}m -Xmx{args.heap_mb}m -XX:+AlwaysPreTouch"}
+        with running_server(store, work / "run", [MODEL],
+                            **({"extra_props": heap} if args.heap_mb else {})) as server:
             result = soak(server, args.requests, args.duration, args.concurrency,
-                          args.sample_every)
+                          args.sample_every, args.count_every)
         commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True).stdout.strip()
-        result = {"repo_commit": commit or None, "label": args.label, **result}
+        result = {"repo_commit": commit or None, "label": args.label,
+                  "heap_mb": args.heap_mb or None, **result}
     finally:
         if result["failed"]:
             print(f"server logs kept in {work / 'run' / 'logs'}", file=sys.stderr)
@@ -276,12 +302,14 @@ def run(args: argparse.Namespace) -> int:
 
 def report(paths: list[str]) -> int:
     """A markdown table of soak results, one row per file."""
-    print("| run | requests | failed | req/s | frontend KB/request | worker KB/request "
-          "| live RestJob at end |\n|---|---|---|---|---|---|---|")
+    print("| run | requests | failed | req/s | frontend RSS KB/request | frontend live heap "
+          "KB/request | worker KB/request | live RestJob at end |\n"
+          "|---|---|---|---|---|---|---|---|")
     for path in paths:
         r = json.loads(Path(path).read_text())
         print(f"| {r.get('label') or path} | {r['requests']} | {r['failed']} | "
               f"{r['requests_per_s']} | {r['frontend_kb_per_request']} | "
+              f"{r.get('frontend_live_heap_kb_per_request')} | "
               f"{r['worker_kb_per_request']} | {r['live_request_objects_at_end']} |")
     return 0
 
@@ -296,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=600, help="stop after this many seconds")
     p.add_argument("--concurrency", type=int, default=4, help="client threads")
     p.add_argument("--sample-every", type=float, default=5, help="seconds between RSS samples")
+    p.add_argument("--count-every", type=int, default=12,
+                   help="samples between full GCs in the frontend (live objects, heap in use)")
+    p.add_argument("--heap-mb", type=int, default=0,
+                   help="fix the frontend's heap (-Xms = -Xmx, pre-touched); 0 = JVM default")
     p.add_argument("--repo", default=str(ROOT), help="checkout whose runtime is served")
     p.add_argument("--label", default="", help="name of this run in reports")
     p.add_argument("--out", default="bench/results/soak.json")
