@@ -21,9 +21,9 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256  # per stop string: each is searched for at every step
 MAX_SEED = 2**63 - 1
 #: prompts longer than handler.max_length x this many characters are refused before
-#: tokenizing: tokenizing runs on the event loop every stream shares, and a 6 MB prompt
-#: (TorchServe's default max_request_size) took seconds. No Llama-2 piece is longer than
-#: 16 characters, so only a prompt that could not fit anyway is refused.
+#: tokenizing: tokenizing runs on the event loop every stream of the worker shares, and a
+#: 6 MB prompt (just under TorchServe's default max_request_size) took ~13 s with the demo
+#: tokenizer on a busy 2-core machine. Generous: the demo tokenizer's longest token has 7.
 MAX_CHARS_PER_TOKEN = 64
 
 
