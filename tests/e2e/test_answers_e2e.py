@@ -122,6 +122,9 @@ def hold_the_tight_model(server) -> list[threading.Thread]:
     assert started.wait(60)  # the slot is busy
     second = threading.Thread(target=long_stream)
     second.start()
+    # queued before anyone probes: a probe that overtook it would take the queue place
+    # itself, wait there and answer 200, and the second stream would get the 503
+    wait_for(server, "WaitingRequests", lambda got: 1 in got.values(), TIGHT)
     return [first, second]
 
 
