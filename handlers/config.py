@@ -78,6 +78,12 @@ class HandlerConfig:
     max_length: int = _opt(2048, lo=2, doc="prompt + generated tokens per sequence")
     max_new_tokens_limit: int = _opt(512, lo=1)
     max_queue: int = _opt(64, lo=1, doc="waiting requests before 503")
+    request_timeout_s: float = _opt(
+        300.0, lo=0.0, doc="deadline of a request that sets no `timeout`, in seconds from its "
+                           "arrival at the worker; 0 = none. The only way an abandoned request "
+                           "frees its slot (TorchServe 0.12 reports no disconnects)")
+    max_request_timeout_s: float = _opt(3600.0, lo=0.0,
+                                        doc="the longest `timeout` a request may ask; 0 = no cap")
     dtype: str = _opt("float32", choices=("float32", "bfloat16", "float16"))
     device: str = _opt("auto", choices=("auto", "cpu", "cuda"))
     threads: int = _opt(0, lo=0, doc="torch intra-op threads; 0 = torch default")
@@ -189,6 +195,19 @@ def _cross_check(cfg: ModelConfig) -> None:
         raise ConfigError(
             f"handler.defaults.max_new_tokens: {h.defaults.max_new_tokens} exceeds "
             f"handler.max_new_tokens_limit {h.max_new_tokens_limit}")
+    cap = h.max_request_timeout_s
+    if cap and not 0 < h.request_timeout_s <= cap:
+        raise ConfigError(
+            f"handler.request_timeout_s: {h.request_timeout_s:g} must be in (0, "
+            f"handler.max_request_timeout_s {cap:g}]; raise the cap or set it to 0 (no cap)")
+    for key in ("request_timeout_s", "max_request_timeout_s"):
+        value = getattr(h, key)
+        if fe.client_timeout_ms and not 0 < value * 1000 <= fe.client_timeout_ms:
+            raise ConfigError(
+                f"handler.{key}: {value:g} must be in (0, clientTimeoutInMills/1000 = "
+                f"{fe.client_timeout_ms / 1000:g}]: TorchServe drops every message of a request "
+                "after that time, so a longer stream would leave its client waiting for an end "
+                "that never comes (AsyncBatchAggregator.java:100-111)")
     d = h.defaults
     if not (0.0 < d.top_p <= 1.0) or d.temperature > 100.0:
         raise ConfigError(f"handler.defaults: top_p {d.top_p} must be in (0, 1] and temperature "

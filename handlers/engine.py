@@ -7,6 +7,12 @@ Results go to each request's sink as events. A backend failure fails the
 sequences of that call only -- the newcomers of a prefill, or the batch of a
 decode -- and the loop keeps serving. Nothing here waits on a request: a sink
 must not block.
+
+A sequence past its deadline (`Sequence.deadline`) leaves at the start of the next
+step, before admission, so a newcomer takes its slot in that same step: a waiting
+one ends with a 504 error, a running one with finish_reason "timeout" and the text
+it has. TorchServe 0.12 never tells the worker that a client went away (README,
+"Abandoned requests"), so a deadline is what frees an abandoned request's slot.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Engine:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._load: tuple[int, int] | None = None  # (waiting, busy) last reported
 
     # -- called from request threads -------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -103,16 +110,43 @@ class Engine:
             except Exception:  # the loop must survive anything a step can throw
                 logger.exception("engine step failed")
                 self._fail(list(self.scheduler.running.values()), 500, "internal error")
+                self._report_load()
 
     def step(self) -> None:
-        """One iteration: release cancelled, prefill newcomers, decode the running batch."""
+        """One iteration: release overdue and cancelled sequences, prefill newcomers, decode
+        the running batch; then the load gauges, if they changed."""
+        try:
+            self._step()
+        finally:
+            self._report_load()
+
+    def _report_load(self) -> None:
+        """Waiting requests and busy slots, for autoscalers: observed when they change."""
         with self._cond:
+            load = (len(self.scheduler.waiting), len(self.scheduler.running))
+        if load != self._load:
+            self._load = load
+            self._observe("WaitingRequests", load[0], "count")
+            self._observe("BusySlots", load[1], "count")
+
+    def _step(self) -> None:
+        with self._cond:
+            waited, overdue = self.scheduler.take_expired()
             cancelled = self.scheduler.take_cancelled()
-            newcomers = self.scheduler.admit()
-        if cancelled:
-            self.backend.release([slot for slot, _ in cancelled])
+            newcomers = self.scheduler.admit()  # into the slots freed just now, too
+        if cancelled or overdue:
+            self.backend.release([slot for slot, _ in cancelled + overdue])
             for _, seq in cancelled:
                 _emit(seq, ErrorEvent(499, "cancelled"))
+        for seq in waited:
+            timeout = (seq.deadline or seq.arrived_at) - seq.arrived_at
+            _emit(seq, ErrorEvent(504, f"timeout: the request's deadline ({timeout:g} s) passed "
+                                  "while it waited for a slot; nothing was generated"))
+        for _, seq in overdue:
+            if text := seq.cut():
+                _emit(seq, TextEvent(text))
+            self._observe("GeneratedTokens", len(seq.generated), "count")
+            _emit(seq, seq.finish_event("timeout"))
         if newcomers:
             now = time.monotonic()
             for seq in newcomers:

@@ -14,7 +14,7 @@ from typing import Protocol
 from handlers.scheduler import FinishEvent
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 499: "cancelled",
-               503: "overloaded_error"}
+               503: "overloaded_error", 504: "timeout"}
 
 
 def usage(event: FinishEvent, details: bool) -> dict:

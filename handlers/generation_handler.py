@@ -18,16 +18,37 @@ from typing import Any
 from handlers.apis import Immediate, NativeApi, select_api
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig, parse_config
+from handlers.engine import Observer
 from handlers.errors import CapacityError, RequestError
 from handlers.framing import Framer, native_framer
+from handlers.metrics import MetricsReporter, worker_id
 from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.service import GenerationService
 
 logger = logging.getLogger(__name__)
 
+#: the response header TorchServe 0.12 reads to tell a stream's chunks from its end
+TS_STREAM_NEXT = "ts_stream_next"
+
 
 class StreamWriter:
-    """Writes one request's response through TorchServe: status, headers, chunks."""
+    """Writes one request's answer through TorchServe 0.12: status, headers, chunks.
+
+    TorchServe's async frontend forgets a request only when a message for it says
+    `ts_stream_next: false` (AsyncBatchAggregator.java:112-118); any other answer stays
+    in its in-flight map for good. So every answer ends that way:
+    - a success, streamed or not: one or more chunks (`ts_stream_next: true`; the
+      first carries status and headers), then the value `handle` returns, which
+      TorchServe sends with the header turned to false (otf_message_handler.py:95-103):
+      on the wire, a chunked 200;
+    - an error before any chunk: a complete response (Content-Length), then an empty
+      message saying `ts_stream_next: false` that only takes the request out of the
+      map: TorchServe closes the connection after the head of any status >= 400
+      (NettyUtils.java:197), so a chunked error would lose its body, and a stream's
+      first message cannot end it (RestJob.java:148-186 sends no head then).
+    Citations: pytorch/serve@v0.12.0, under frontend/server/src/main/java/org/pytorch/
+    serve/ ({wlm,job,util}/) and ts/protocol/.
+    """
 
     def __init__(self, context: Any, idx: int) -> None:
         self.context = context
@@ -38,22 +59,46 @@ class StreamWriter:
         self.context.set_response_content_type(self.idx, framer.content_type)
 
     def send(self, payload: str) -> None:
+        """One chunk of a streamed 200 (nothing to send: nothing goes out)."""
+        if payload:
+            self._chunk(payload)
+
+    def finish(self, last: str) -> str:
+        """The answer's last piece; returned to TorchServe, which ends the stream with it.
+        A body that never streamed (non-streamed JSON, an empty stream) goes out as the
+        stream's one chunk first."""
+        if self.started:
+            return last
+        self._chunk(last)
+        return ""
+
+    def fail(self, status: int, body: str, headers: dict[str, str] | None = None) -> str:
+        """An error before any chunk went out: a proper HTTP status and JSON body."""
+        context, idx = self.context, self.idx
+        context.set_response_status(status, "", idx)
+        context.set_response_content_type(idx, "application/json")
+        for key, value in (headers or {}).items():
+            context.set_response_header(idx, key, value)
+        self._complete(body)
+        context.set_response_header(idx, TS_STREAM_NEXT, "false")
+        return ""
+
+    def _chunk(self, payload: str) -> None:
         from ts.handler_utils.utils import send_intermediate_predict_response
 
-        if not payload:
-            return
         req = {self.idx: self.context.get_request_id(self.idx)}
         send_intermediate_predict_response({self.idx: payload}, req, "Intermediate", 200,
                                            self.context)
         self.started = True
 
-    def fail(self, status: int, body: str, headers: dict[str, str] | None = None) -> str:
-        """An error before any chunk went out: a proper HTTP status and JSON body."""
-        self.context.set_response_status(status, "", self.idx)
-        self.context.set_response_content_type(self.idx, "application/json")
-        for key, value in (headers or {}).items():
-            self.context.set_response_header(self.idx, key, value)
-        return body
+    def _complete(self, body: str) -> None:
+        """A whole response in one message: no `ts_stream_next` header."""
+        from ts.protocol.otf_message_handler import create_predict_response
+
+        req = {self.idx: self.context.get_request_id(self.idx)}
+        msg = create_predict_response({self.idx: body}, req, "", 200, self.context)
+        if msg is not None:  # None on ranks other than 0, as for intermediate responses
+            self.context.cl_socket.sendall(msg)
 
 
 class GenerationHandler:
@@ -87,7 +132,7 @@ class GenerationHandler:
                 message = "internal error; the worker log has the details"
                 framer = native_framer(False, "")
                 if writer.started:
-                    return framer.error(500, message, in_stream=True)
+                    return writer.finish(framer.error(500, message, in_stream=True))
                 return writer.fail(500, framer.error(500, message))
 
         return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(data))))
@@ -101,7 +146,7 @@ class GenerationHandler:
             prepared = api.prepare(_payload(item), _content_type(context, idx), self.service)
             if isinstance(prepared, Immediate):
                 context.set_response_content_type(idx, prepared.content_type)
-                return prepared.body
+                return writer.finish(prepared.body)
             framer = prepared.framer
             events = self.service.submit(context.get_request_id(idx), prepared.request,
                                          prepared.prompt_ids, asyncio.get_running_loop())
@@ -132,28 +177,28 @@ class GenerationHandler:
                 writer.send(framer.chunk(text))
             end = batch[-1]
             if isinstance(end, FinishEvent):
-                return framer.final(end)
+                return writer.finish(framer.final(end))
             if isinstance(end, ErrorEvent):
                 if writer.started:
-                    return framer.error(end.status, end.message, in_stream=True)
+                    return writer.finish(framer.error(end.status, end.message, in_stream=True))
                 return writer.fail(end.status, framer.error(end.status, end.message))
 
     @staticmethod
-    def _observer(context: Any):
-        """Engine observations -> TorchServe custom metrics (thread-safe: they log)."""
+    def _observer(context: Any) -> Observer:
+        """Engine observations -> TorchServe custom metrics, emitted by handlers/metrics.py's
+        thread (TorchServe's metric objects log a line per update)."""
         from ts.metrics.metric_type_enum import MetricTypes
 
-        types = {"TimeToFirstToken": ("ms", MetricTypes.HISTOGRAM),
-                 "EngineQueueTime": ("ms", MetricTypes.HISTOGRAM),
-                 "GeneratedTokens": ("count", MetricTypes.COUNTER)}
-        model = context.model_name
-        metrics = {name: context.metrics.add_metric_to_cache(name, unit, ["ModelName"], kind)
-                   for name, (unit, kind) in types.items()}
+        types = {"counter": MetricTypes.COUNTER, "gauge": MetricTypes.GAUGE}
+        cache: dict[str, Any] = {}
 
-        def observe(name: str, value: float, unit: str) -> None:
-            metrics[name].add_or_update(value, [model])
+        def emit(name: str, unit: str, kind: str, value: float, labels: dict[str, str]) -> None:
+            if name not in cache:
+                cache[name] = context.metrics.add_metric_to_cache(name, unit, list(labels),
+                                                                  types[kind])
+            cache[name].add_or_update(value, list(labels.values()))
 
-        return observe
+        return MetricsReporter(emit, context.model_name, worker_id()).start().observe
 
 
 def _payload(item: dict) -> Any:

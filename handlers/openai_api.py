@@ -34,18 +34,24 @@ from handlers.request import (
 # OpenAI field -> native field, for the fields we honour
 MAPPED = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
           "stop": "stop", "seed": "seed", "stream": "stream", "top_k": "top_k",
-          "min_tokens": "min_new_tokens"}
+          "min_tokens": "min_new_tokens",
+          "timeout": "timeout"}  # our extension (OpenAI has no server-side deadline field)
 # fields accepted only with the value that changes nothing: (check, what is allowed)
+def _number(expected: int) -> Callable[[Any], bool]:
+    """`v == 1` alone would take true for 1 and false for 0."""
+    return lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and v == expected
+
+
 HARMLESS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v == 1, "1 (one choice per request)"),
-    "frequency_penalty": (lambda v: v == 0, "0"),
-    "presence_penalty": (lambda v: v == 0, "0"),
+    "n": (_number(1), "1 (one choice per request)"),
+    "frequency_penalty": (_number(0), "0"),
+    "presence_penalty": (_number(0), "0"),
     "logit_bias": (lambda v: v == {}, "{} or null"),
     "logprobs": (lambda v: v is False, "false or null"),
-    "top_logprobs": (lambda v: v == 0, "0 or null"),
+    "top_logprobs": (_number(0), "0 or null"),
     "user": (lambda v: isinstance(v, str), "a string"),
     "echo": (lambda v: v is False, "false"),
-    "best_of": (lambda v: v == 1, "1"),
+    "best_of": (_number(1), "1"),
     "suffix": (lambda v: v == "", "\"\" or null"),
     "store": (lambda v: v is False, "false"),
     "metadata": (lambda v: isinstance(v, dict), "an object"),
@@ -73,7 +79,8 @@ def decode_json(payload: Any, content_type: str) -> dict[str, Any]:
     try:
         return decode_body(payload, "application/json")
     except RequestError as exc:  # OpenAI names no param for a body it cannot read
-        raise RequestError("", exc.message, exc.status) from exc
+        raise RequestError("" if exc.field == "body" else exc.field, exc.message,
+                           exc.status) from exc
 
 
 def check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:

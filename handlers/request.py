@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,13 @@ from handlers.config import HandlerConfig
 from handlers.errors import RequestError
 
 MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256  # per stop string: each is searched for at every step
 MAX_SEED = 2**63 - 1
+#: prompts longer than handler.max_length x this many characters are refused before
+#: tokenizing: tokenizing runs on the event loop every stream of the worker shares, and a
+#: 6 MB prompt (just under TorchServe's default max_request_size) took ~13 s with the demo
+#: tokenizer on a busy 2-core machine. Generous: the demo tokenizer's longest token has 7.
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass(frozen=True)
@@ -30,10 +37,11 @@ class GenerationRequest:
     stream: bool
     stream_format: str  # text | ndjson
     details: bool = False  # add the generated token ids to the final answer
+    timeout_s: float | None = None  # deadline, seconds from arrival; None = none
 
 
 FIELDS = ("prompt", "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "stop",
-          "seed", "stream", "stream_format", "details")
+          "seed", "stream", "stream_format", "details", "timeout")
 
 
 def closest_hint(name: str, valid: tuple[str, ...]) -> str:
@@ -45,7 +53,7 @@ def closest_hint(name: str, valid: tuple[str, ...]) -> str:
 def decode_body(data: Any, content_type: str = "") -> dict[str, Any]:
     """TorchServe hands us a dict (JSON it decoded), a str (text/*) or raw bytes."""
     if isinstance(data, dict):
-        return data
+        return check_text(data)
     if isinstance(data, (bytes, bytearray)):
         try:
             data = bytes(data).decode("utf-8")
@@ -67,13 +75,45 @@ def decode_body(data: Any, content_type: str = "") -> dict[str, Any]:
 
 
 def _json_object(text: str) -> dict[str, Any]:
+    """TorchServe's worker parses application/json itself and hands over the raw bytes when
+    that fails (ts/protocol/otf_message_handler.py:332-343), e.g. on JSON nested too deeply
+    for Python's recursion limit or an integer of more than 4300 digits: the same errors here
+    are the client's, not ours."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise RequestError("body", f"malformed JSON: {exc.msg} at position {exc.pos}") from exc
+    except RecursionError as exc:
+        raise RequestError("body", "JSON nested too deeply; a request is a flat object") from exc
+    except ValueError as exc:  # e.g. an integer beyond sys.get_int_max_str_digits()
+        raise RequestError("body", f"unreadable JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise RequestError("body", f"expected a JSON object, got {type(obj).__name__}")
-    return obj
+    return check_text(obj)
+
+
+def check_text(body: dict[str, Any]) -> dict[str, Any]:
+    """Refuse lone UTF-16 surrogates ("\\ud800" in JSON decodes to one): no tokenizer takes
+    them and no answer echoing them can be encoded as UTF-8. Names the first field holding
+    one (e.g. messages[0].content). Iterative: a body may nest ~1000 levels deep."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise RequestError(path or "body", "contains a lone UTF-16 surrogate (e.g. "
+                                   "\\ud800 without its pair); send valid Unicode text")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    raise RequestError(path or "body", "a key contains a lone UTF-16 surrogate")
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return body
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _int(body: dict, name: str, default: int, lo: int, hi: int) -> int:
@@ -104,7 +144,24 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise RequestError("stop", "expected a non-empty string or a list of non-empty strings")
     if len(value) > MAX_STOP_STRINGS:
         raise RequestError("stop", f"{len(value)} stop strings; at most {MAX_STOP_STRINGS}")
+    if max(map(len, value), default=0) > MAX_STOP_CHARS:
+        raise RequestError("stop", f"a stop string of {max(map(len, value))} characters; at "
+                           f"most {MAX_STOP_CHARS}")
     return tuple(value)
+
+
+def _timeout(body: dict, config: HandlerConfig) -> float | None:
+    """`timeout`: seconds after which generation stops (finish_reason "timeout")."""
+    cap = config.max_request_timeout_s
+    if "timeout" not in body:
+        return config.request_timeout_s or None
+    value = body["timeout"]
+    rng = f"(0, {cap:g}] (handler.max_request_timeout_s)" if cap else "(0, inf)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError("timeout", f"expected a number of seconds in {rng}, got {value!r}")
+    if value <= 0 or (cap and value > cap):
+        raise RequestError("timeout", f"{value} is out of range; allowed {rng}")
+    return float(value)
 
 
 def parse_request(body: dict[str, Any], config: HandlerConfig,
@@ -118,6 +175,11 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt", "expected a non-empty string")
+    if len(prompt) > config.max_length * MAX_CHARS_PER_TOKEN:
+        raise RequestError("prompt", f"{len(prompt)} characters; at most {config.max_length} "
+                           f"tokens fit (handler.max_length), and prompts over "
+                           f"{config.max_length * MAX_CHARS_PER_TOKEN} characters are refused "
+                           "untokenized")
     max_new = _int(body, "max_new_tokens", d.max_new_tokens, 1, config.max_new_tokens_limit)
     min_new = _int(body, "min_new_tokens", 0, 0, max_new)
     seed = body.get("seed")
@@ -141,7 +203,8 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
         raise RequestError("details", f"expected true or false, got {details!r}")
     return GenerationRequest(prompt=prompt, max_new_tokens=max_new, min_new_tokens=min_new,
                              sampling=sampling, stop=_stop(body), stream=stream,
-                             stream_format=fmt, details=details)
+                             stream_format=fmt, details=details,
+                             timeout_s=_timeout(body, config))
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, max_length: int,

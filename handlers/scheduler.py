@@ -30,7 +30,7 @@ class TextEvent:
 
 @dataclass(frozen=True)
 class FinishEvent:
-    reason: str  # stop | length
+    reason: str  # stop | length | timeout (its deadline passed while it ran)
     prompt_tokens: int
     completion_tokens: int
     text: str  # the whole generated text, for non-streaming answers
@@ -59,6 +59,7 @@ class Sequence:
     sink: Sink
     tokenizer: Tokenizer
     arrived_at: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() after which it stops; None = never
     slot: int | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -94,6 +95,14 @@ class Sequence:
             text += self._stopper.flush()
         self._text.append(text)
         return text, reason
+
+    def cut(self) -> str:
+        """End early (deadline): the text held back so far -- an incomplete character, a
+        partial stop-string match -- which now will never complete."""
+        text, _ = self._stopper.feed(self._detok.flush())
+        text += self._stopper.flush()
+        self._text.append(text)
+        return text
 
     def finish_event(self, reason: str) -> FinishEvent:
         return FinishEvent(reason, len(self.prompt_ids), len(self.generated), "".join(self._text),
@@ -179,6 +188,21 @@ class Scheduler:
         """Finish running sequences marked cancelled; return (slot, sequence) for the backend."""
         gone = [s for s in self.running.values() if s.cancelled]
         return [(slot, s) for s in gone if (slot := self.finish(s)) is not None]
+
+    def take_expired(self, now: float | None = None
+                     ) -> tuple[list[Sequence], list[tuple[int, Sequence]]]:
+        """Drop waiting sequences past their deadline and finish running ones; return
+        (the waiting ones, (slot, sequence) of the running ones for the backend)."""
+        now = time.monotonic() if now is None else now
+
+        def due(s: Sequence) -> bool:
+            return s.deadline is not None and now >= s.deadline
+
+        waited = [s for s in self.waiting if due(s)]
+        for seq in waited:
+            self.waiting.remove(seq)
+        ran = [s for s in self.running.values() if due(s) and not s.cancelled]
+        return waited, [(slot, s) for s in ran if (slot := self.finish(s)) is not None]
 
     def has_work(self) -> bool:
         return bool(self.running) or bool(self.waiting)

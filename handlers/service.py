@@ -71,5 +71,7 @@ class GenerationService:
                        max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                        stop=request.stop, tokenizer=self.tokenizer,
                        sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        if request.timeout_s is not None:
+            seq.deadline = seq.arrived_at + request.timeout_s
         self.engine.submit(seq)
         return events

@@ -279,6 +279,11 @@ def test_form_encoded_body_gets_the_fix_and_custom_metrics_are_exported(server):
     err = r.json()["error"]
     assert err["field"] == "body" and "Content-Type: application/json" in err["message"]
     post(server, "tiny-cont", {"prompt": "Hi", "max_new_tokens": 3})
-    metrics = httpx.get(f"{server.metrics_url}/metrics", timeout=10).text
-    for name in ("TimeToFirstToken_count", "GeneratedTokens", "EngineQueueTime_count"):
-        assert f'{name}{{ModelName="tiny-cont"' in metrics.replace(" ", ""), name
+    want = [f'{name}{{ModelName="tiny-cont"' for name in
+            ("TimeToFirstToken_count", "GeneratedTokens", "EngineQueueTime_count")]
+    for _ in range(50):  # the worker emits metrics every 0.5 s
+        metrics = httpx.get(f"{server.metrics_url}/metrics", timeout=10).text.replace(" ", "")
+        if all(w in metrics for w in want):
+            break
+        time.sleep(0.2)
+    assert [w for w in want if w not in metrics] == []

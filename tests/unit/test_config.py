@@ -35,6 +35,12 @@ def test_shipped_tiny_config_loads_and_round_trips():
     ({"handler": {"neuron": {"compilation_worker_count": -1}}},
      r"handler.neuron.compilation_worker_count: -1 is out of range; allowed \[0, 64\]"),
     ({"handler": {"neuron": {"compilation_worker_count": "all"}}}, "expected int"),
+    ({"handler": {"request_timeout_s": 10, "max_request_timeout_s": 5}},
+     r"handler.request_timeout_s: 10 must be in \(0, handler.max_request_timeout_s 5\]"),
+    ({"handler": {"request_timeout_s": 0, "max_request_timeout_s": 5}}, "set it to 0"),
+    ({"handler": {"request_timeout_s": -1}}, "out of range"),
+    ({"clientTimeoutInMills": 60_000, "handler": {"request_timeout_s": 30}},
+     r"max_request_timeout_s: 3600 must be in \(0, clientTimeoutInMills/1000 = 60\]"),
 ])
 def test_errors_name_the_key_and_the_fix(data, message):
     with pytest.raises(ConfigError, match=message):
@@ -59,3 +65,10 @@ def test_compilation_worker_count_defaults_to_one_graph_at_a_time():
     assert parse_config({}).handler.neuron.compilation_worker_count == 1
     every = parse_config({"handler": {"neuron": {"compilation_worker_count": 0}}})
     assert every.handler.neuron.compilation_worker_count == 0  # the SDK's default: all at once
+
+
+def test_deadline_defaults_and_no_cap():
+    h = parse_config({}).handler
+    assert (h.request_timeout_s, h.max_request_timeout_s) == (300.0, 3600.0)
+    h = parse_config({"handler": {"request_timeout_s": 0, "max_request_timeout_s": 0}}).handler
+    assert h.request_timeout_s == 0  # no deadline, no cap: an operator's explicit choice

@@ -246,3 +246,37 @@ def test_a_cancel_that_lands_mid_step_spares_the_rest_of_the_batch(monkeypatch):
     assert isinstance(ev["a"][-1], ErrorEvent) and ev["a"][-1].status == 499
     assert isinstance(ev["b"][-1], FinishEvent) and ev["b"][-1].completion_tokens == 6
     assert backend.last == {}
+
+
+def test_an_overdue_request_ends_with_timeout_and_its_slot_goes_to_a_newcomer_that_step():
+    engine, backend, _ = make(batch_size=1)
+    ev = {}
+    a = submit(engine, "a", 100, 50, ev)
+    engine.step()
+    b = submit(engine, "b", 200, 3, ev)
+    engine.step()
+    assert b.slot is None  # one slot, held by a
+    a.deadline = 0.0  # overdue now
+    engine.step()
+    assert isinstance(ev["a"][-1], FinishEvent) and ev["a"][-1].reason == "timeout"
+    assert ev["a"][-1].completion_tokens == 3 and text(ev["a"]) == ev["a"][-1].text
+    assert b.slot == 0 and backend.calls[-3:] == [("release", (0,)), ("prefill", (0,)),
+                                                  ("decode", (0,))]
+    run(engine)
+    assert text(ev["b"]) == chr(201) + chr(202) + chr(203)
+
+
+def test_a_request_overdue_while_waiting_gets_504_and_generates_nothing():
+    engine, backend, seen = make(batch_size=1)
+    ev = {}
+    submit(engine, "a", 100, 5, ev)
+    b = submit(engine, "b", 200, 5, ev)
+    b.deadline = b.arrived_at + 0.25
+    b.arrived_at -= 1  # arrived a second ago: overdue
+    b.deadline -= 1
+    engine.step()
+    assert len(ev["b"]) == 1 and isinstance(ev["b"][0], ErrorEvent)
+    assert ev["b"][0].status == 504 and "0.25 s" in ev["b"][0].message
+    run(engine)
+    assert [c for c in backend.calls if c[0] == "prefill"] == [("prefill", (0,))]  # a only
+    assert isinstance(ev["a"][-1], FinishEvent) and ev["a"][-1].reason == "length"

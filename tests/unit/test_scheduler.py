@@ -78,3 +78,37 @@ def test_sequence_cuts_at_stop_string_and_holds_partial_match():
     assert "".join(t for t, _ in out) == "hi "  # "EN" may start "END": held back
     assert x.append(ord("D"), frozenset(), 100) == ("", "stop")
     assert x.finish_event("stop").text == "hi "
+
+
+def test_expired_sequences_leave_the_queue_and_their_slots():
+    s = Scheduler(slots=2)
+    a, b, c, d = seq("a"), seq("b"), seq("c"), seq("d")
+    a.deadline, c.deadline, d.deadline = 10.0, 10.0, 30.0
+    for x in (a, b, c, d):
+        s.submit(x)
+    s.admit(now=0.0)  # a and b run; c and d wait
+    assert s.take_expired(now=9.9) == ([], [])
+    waited, ran = s.take_expired(now=10.0)
+    assert waited == [c] and ran == [(0, a)]
+    assert list(s.waiting) == [d] and list(s.running.values()) == [b]
+    assert s.admit(now=10.0) == [d] and d.slot == 0  # the freed slot, at once
+
+
+def test_a_cancelled_sequence_is_not_also_expired():
+    s = Scheduler(slots=1)
+    a = seq("a")
+    a.deadline = 1.0
+    s.submit(a)
+    s.admit(now=0.0)
+    s.cancel("a")
+    assert s.take_expired(now=2.0) == ([], [])
+    assert s.take_cancelled() == [(0, a)]
+
+
+def test_cut_returns_the_text_held_back():
+    x = Sequence(request_id="a", prompt_ids=[65], max_new_tokens=20, sampling=SamplingParams(),
+                 stop=("END",), sink=lambda e: None, tokenizer=CharTokenizer())
+    out = [x.append(ord(c), frozenset(), 100)[0] for c in "hi EN"]
+    assert "".join(out) == "hi "
+    assert x.cut() == "EN"  # the partial stop match can no longer complete
+    assert x.finish_event("timeout").text == "hi EN"

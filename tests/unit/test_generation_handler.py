@@ -1,0 +1,158 @@
+"""Every answer the handler gives, as TorchServe 0.12's frontend turns it into HTTP.
+
+The handler runs with TorchServe's real Python worker side (Context, message encoder)
+and a fake service; tests/unit/ts_frontend.py plays the Java frontend. Each answer
+must reach its client whole, with its status and headers, and leave the frontend's
+in-flight map (else the frontend keeps it for good: issue 12).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from ts.context import Context, RequestProcessor
+from ts.protocol.otf_message_handler import create_predict_response
+
+from handlers.config import parse_config
+from handlers.errors import CapacityError
+from handlers.generation_handler import GenerationHandler
+from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
+from tests.unit.ts_frontend import HttpView, decode, http_view
+
+DONE = FinishEvent("length", 3, 2, "Hi!")
+
+
+class Socket:
+    def __init__(self) -> None:
+        self.sent = b""
+
+    def sendall(self, data: bytes) -> None:
+        self.sent += data
+
+
+class FakeService:
+    """What the handler asks of GenerationService; submit replays canned events."""
+
+    def __init__(self, events: list, full: bool = False) -> None:
+        self.config = parse_config({"handler": {}})
+        self.backend = SimpleNamespace(max_length=512)
+        self.tokenizer = SimpleNamespace(name_or_path="tiny")
+        self.engine = SimpleNamespace(cancel=lambda request_id: None)
+        self.events, self.full = events, full
+
+    def encode(self, prompt: str) -> list[int]:
+        return [ord(c) for c in prompt]
+
+    def submit(self, request_id, request, prompt_ids, loop) -> asyncio.Queue:
+        if self.full:
+            raise CapacityError("3 requests are waiting (handler.max_queue=3)", retry_after_s=2)
+        events: asyncio.Queue = asyncio.Queue()
+        for event in self.events:
+            events.put_nowait(event)
+        return events
+
+
+def answer(body: dict | bytes, events: list | None = None, url_path: str = "",
+           full: bool = False) -> HttpView:
+    """One request through the handler and TorchServe's async worker, as the client sees it."""
+    handler = GenerationHandler()
+    handler.service = FakeService([TextEvent("Hi"), TextEvent("!"), DONE]
+                                  if events is None else events, full)
+    context = Context("tiny", "/m", {}, 1, None, "0.12.0")
+    context.request_processor = [RequestProcessor({"url_path": url_path})]
+    context.request_ids = {0: "req-1"}
+    context.cl_socket = Socket()
+    ret = asyncio.run(handler.handle([{"body": body}], context))
+    # what ts/async_service.py:91-93 sends once `handle` returns
+    context.cl_socket.sendall(create_predict_response(ret, context.request_ids,
+                                                      "Prediction success", 200, context))
+    return http_view(decode(context.cl_socket.sent))
+
+
+NATIVE = {"prompt": "Hello", "max_new_tokens": 2}
+COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+
+
+@pytest.mark.parametrize("name, body, url_path, content_type", [
+    ("native json", {**NATIVE, "stream": False}, "", "application/json"),
+    ("native text stream", NATIVE, "", "text/plain; charset=utf-8"),
+    ("native ndjson stream", {**NATIVE, "stream_format": "ndjson"}, "", "application/x-ndjson"),
+    ("openai json", COMPLETION, "v1/completions", "application/json"),
+    ("openai sse", {**COMPLETION, "stream": True}, "v1/completions", "text/event-stream"),
+    ("model listing", {}, "v1/models", "application/json"),
+])
+def test_successes_arrive_whole_as_a_chunked_200_and_leave_the_map(name, body, url_path,
+                                                                   content_type):
+    view = answer(body, url_path=url_path)
+    assert view.forgotten, name
+    assert (view.status, view.framing, view.complete) == (200, "chunked", True)
+    assert view.headers["content-type"] == content_type
+    text = view.body.decode()
+    if name == "native json":
+        assert json.loads(text) == {"text": "Hi!", "finish_reason": "length",
+                                    "prompt_tokens": 3, "completion_tokens": 2}
+    elif name == "native text stream":
+        assert text == "Hi!"
+    elif name == "openai json":
+        assert json.loads(text)["choices"][0]["text"] == "Hi!"
+    elif name == "openai sse":
+        assert text.endswith("data: [DONE]\n\n") and '"text": "Hi!"' in text
+    elif name == "model listing":
+        assert json.loads(text)["data"][0]["id"] == "tiny"
+
+
+@pytest.mark.parametrize("body, url_path, status, field", [
+    ({**NATIVE, "temperature": -1}, "", 400, "temperature"),
+    (b'{"prompt": ', "", 400, "body"),
+    ({**COMPLETION, "max_tokens": -1}, "v1/completions", 400, "max_tokens"),
+    (COMPLETION, "v1/embeddings", 404, None),
+    (NATIVE, "v2/nothing", 404, "url_path"),
+])
+def test_bad_requests_get_a_complete_error_and_leave_the_map(body, url_path, status, field):
+    view = answer(body, url_path=url_path)
+    assert view.forgotten
+    assert (view.status, view.framing, view.complete) == (status, "content-length", True)
+    assert view.headers["content-type"] == "application/json"
+    error = json.loads(view.body)["error"]
+    assert error.get("field", error.get("param")) == field
+
+
+@pytest.mark.parametrize("body, url_path", [(NATIVE, ""), (COMPLETION, "v1/completions")])
+def test_a_full_queue_answers_503_with_retry_after_and_leaves_the_map(body, url_path):
+    view = answer(body, url_path=url_path, full=True)
+    assert view.forgotten
+    assert (view.status, view.framing, view.complete) == (503, "content-length", True)
+    assert view.headers["retry-after"] == "2"
+    assert "max_queue" in json.loads(view.body)["error"]["message"]
+
+
+def test_a_failure_before_the_first_chunk_is_a_complete_500():
+    view = answer({**NATIVE, "stream": False}, [ErrorEvent(500, "generation failed (prefill)")])
+    assert view.forgotten and (view.status, view.complete) == (500, True)
+    assert json.loads(view.body)["error"]["message"] == "generation failed (prefill)"
+
+
+def test_a_failure_after_the_first_chunk_is_reported_in_band():
+    view = answer({**NATIVE, "stream_format": "ndjson"},
+                  [TextEvent("Hi"), ErrorEvent(500, "generation failed (decode)")])
+    assert view.forgotten and (view.status, view.complete) == (200, True)
+    lines = [json.loads(line) for line in view.body.decode().splitlines()]
+    assert lines[0] == {"text": "Hi"} and lines[-1]["error"]["code"] == 500
+
+
+def test_a_stream_that_generates_no_text_still_opens_and_ends():
+    view = answer(NATIVE, [FinishEvent("stop", 3, 1, "")])
+    assert view.forgotten and (view.status, view.framing, view.complete) == (200, "chunked", True)
+    assert view.body == b""
+
+
+def test_the_fake_frontend_keeps_a_plain_answer_in_flight():
+    """The rule the handler works around, as ts_frontend models it: a message without
+    ts_stream_next is a complete response the frontend never forgets."""
+    context = Context("tiny", "/m", {}, 1, None, "0.12.0")
+    context.request_processor = [RequestProcessor({})]
+    view = http_view(decode(create_predict_response(["{}"], {0: "r"}, "ok", 200, context)))
+    assert (view.status, view.complete, view.forgotten) == (200, True, False)
