@@ -88,6 +88,10 @@ class HandlerConfig:
     device: str = _opt("auto", choices=("auto", "cpu", "cuda"))
     threads: int = _opt(0, lo=0, doc="torch intra-op threads; 0 = torch default")
     warmup: bool = _opt(True)
+    engine_process: str = _opt(
+        "child", choices=("child", "inline"),
+        doc="child: the model runs in a process the worker supervises (its death fails its "
+            "requests at once, then it restarts); inline: in the worker (one process)")
     chat_template: str = _opt("", doc="OpenAI chat: preset (llama-2), inline Jinja or a file in "
                                       "the checkpoint dir; empty = the tokenizer's template")
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)

@@ -34,10 +34,14 @@ Observer = Callable[[str, float, str], None]
 
 class Engine:
     def __init__(self, backend: Backend, scheduler: Scheduler,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None,
+                 after_step: Callable[[], None] | None = None) -> None:
         self.backend = backend
         self.scheduler = scheduler
         self._observe = observer or (lambda name, value, unit: None)
+        #: called on the engine thread after every step, failed or not (the engine
+        #: process sends the step's events to the TorchServe worker as one message here)
+        self._after_step = after_step or (lambda: None)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -63,7 +67,8 @@ class Engine:
 
     @classmethod
     def launch(cls, build: Callable[[], tuple[Backend, Scheduler]],
-               observer: Observer | None = None) -> Engine:
+               observer: Observer | None = None,
+               after_step: Callable[[], None] | None = None) -> Engine:
         """Build the backend on the engine's own thread, then run the loop on it.
 
         torch's OpenMP pool belongs to the thread that runs an op: a model loaded and
@@ -76,7 +81,7 @@ class Engine:
 
         def main() -> None:
             try:
-                engine = cls(*build(), observer)
+                engine = cls(*build(), observer, after_step)
             except BaseException as exc:  # handed to the caller, which re-raises it
                 ready.set_exception(exc)
                 return
@@ -111,6 +116,7 @@ class Engine:
                 logger.exception("engine step failed")
                 self._fail(list(self.scheduler.running.values()), 500, "internal error")
                 self._report_load()
+            self._after_step()
 
     def step(self) -> None:
         """One iteration: release overdue and cancelled sequences, prefill newcomers, decode

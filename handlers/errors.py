@@ -33,6 +33,10 @@ class GenerationError(Inf2ServeError):
     """The backend failed while running a batch; becomes HTTP 5xx for that batch's requests."""
 
 
+class EngineProcessError(Inf2ServeError):
+    """The engine process died, or exited before the model was loaded."""
+
+
 class CacheError(Inf2ServeError):
     """A compile-cache entry is missing, corrupt or was built for another SDK or flags."""
 

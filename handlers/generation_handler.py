@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -111,15 +112,19 @@ class GenerationHandler:
     def initialize(self, context: Any) -> None:
         config = parse_config(context.model_yaml_config)
         model_dir = Path(context.system_properties["model_dir"])
+        overridden = type(self).make_backend is not GenerationHandler.make_backend
         self.service = GenerationService.create(
             config, model_dir, self._observer(context),
-            make_backend=lambda: self.make_backend(config, model_dir))
+            make_backend=partial(_subclass_backend, type(self), config, model_dir)
+            if overridden else None)
         self.initialized = True
 
     def make_backend(self, config: ModelConfig, model_dir: Path) -> Backend | None:
         """None = the configured backend; a subclass may wrap or replace it (tests do).
 
-        Called on the engine thread, which runs every model call."""
+        Called on the engine thread, which runs every model call: with
+        handler.engine_process child, on a fresh instance of the subclass in the engine
+        process (so the subclass must be importable there, as a handler module is)."""
         return None
 
     async def handle(self, data: list[dict], context: Any) -> list[str]:
@@ -181,7 +186,8 @@ class GenerationHandler:
             if isinstance(end, ErrorEvent):
                 if writer.started:
                     return writer.finish(framer.error(end.status, end.message, in_stream=True))
-                return writer.fail(end.status, framer.error(end.status, end.message))
+                retry = {"Retry-After": str(end.retry_after_s)} if end.retry_after_s else None
+                return writer.fail(end.status, framer.error(end.status, end.message), retry)
 
     @staticmethod
     def _observer(context: Any) -> Observer:
@@ -199,6 +205,12 @@ class GenerationHandler:
             cache[name].add_or_update(value, list(labels.values()))
 
         return MetricsReporter(emit, context.model_name, worker_id()).start().observe
+
+
+def _subclass_backend(cls: type[GenerationHandler], config: ModelConfig,
+                      model_dir: Path) -> Backend | None:
+    """A handler subclass's backend, built where the engine runs (picklable: a partial)."""
+    return cls().make_backend(config, model_dir)
 
 
 def _payload(item: dict) -> Any:

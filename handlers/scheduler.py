@@ -41,6 +41,7 @@ class FinishEvent:
 class ErrorEvent:
     status: int
     message: str
+    retry_after_s: int = 0  # > 0: a Retry-After header goes with it (503)
 
 
 Event = TextEvent | FinishEvent | ErrorEvent

@@ -1,8 +1,10 @@
 """Everything a worker holds, built once from the typed config; no TorchServe import.
 
-config -> tokenizer + backend -> scheduler -> engine. `GenerationService.submit`
-turns a validated request into a running sequence whose events arrive on an
-asyncio queue, which is all the TorchServe adapter needs.
+config -> tokenizer + backend -> scheduler -> engine, the engine in the worker itself
+(handler.engine_process: inline) or in a supervised child process (child, the default:
+handlers/engine_client.py). `GenerationService.submit` turns a validated request into
+a running sequence whose events arrive on an asyncio queue, which is all the
+TorchServe adapter needs.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from handlers.backends import load_backend
 from handlers.backends.base import Backend
@@ -21,42 +25,78 @@ from handlers.engine import Engine, Observer
 from handlers.request import GenerationRequest, check_length
 from handlers.scheduler import Event, Scheduler, Sequence
 
+if TYPE_CHECKING:
+    from handlers.engine_client import EngineClient
+    from handlers.engine_process import ModelLimits
+
 logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(checkpoint: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(checkpoint)
+    return AutoTokenizer.from_pretrained(Path(checkpoint).resolve())
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the model side is built from; pickled to the engine process, so every field
+    must pickle (callables: module-level functions, classes or partials of them)."""
+
+    config: ModelConfig
+    model_dir: Path
+    #: NeuronCores the worker claimed and holds (None: the neuron backend claims its own)
+    cores: tuple[int, ...] | None = None
+    #: runs on the engine thread; None (or it returns None) = the configured backend
+    make_backend: Callable[[], Backend | None] | None = None
+    #: None = the checkpoint's tokenizer
+    make_tokenizer: Callable[[], object] | None = None
+    log_level: int = logging.INFO
+
+
+def start_engine(spec: EngineSpec, observer: Observer | None = None,
+                 after_step: Callable[[], None] | None = None) -> tuple[Engine, object]:
+    """Tokenizer, backend (built, warmed up and run on the engine thread) and scheduler:
+    the model side, in the worker (inline) or in the engine process (child)."""
+    h = spec.config.handler
+    start = time.monotonic()
+    tokenizer = (spec.make_tokenizer or partial(load_tokenizer, spec.model_dir / h.checkpoint))()
+
+    def build() -> tuple[Backend, Scheduler]:
+        backend = ((spec.make_backend and spec.make_backend())
+                   or load_backend(h, spec.model_dir, spec.cores))
+        if h.warmup:
+            backend.warmup()
+        return backend, Scheduler(backend.batch_size, h.batching, h.effective_micro_batch_size,
+                                  h.max_queue, h.batch_delay_ms / 1000)
+
+    engine = Engine.launch(build, observer, after_step)
+    logger.info("model ready in %.1fs: backend=%s batching=%s slots=%d", time.monotonic() -
+                start, h.backend, h.batching, engine.backend.batch_size)
+    return engine, tokenizer
 
 
 @dataclass
 class GenerationService:
     config: ModelConfig
     tokenizer: object
-    backend: Backend
-    engine: Engine
+    backend: Backend | ModelLimits  # what requests are checked against
+    engine: Engine | EngineClient  # submit(seq), cancel(request_id), stop()
 
     @classmethod
     def create(cls, config: ModelConfig, model_dir: Path, observer: Observer | None = None,
                make_backend: Callable[[], Backend | None] | None = None) -> GenerationService:
-        """`make_backend` (None = the configured backend) runs on the engine thread."""
-        h = config.handler
-        start = time.monotonic()
-        tokenizer = load_tokenizer((model_dir / h.checkpoint).resolve())
+        """`make_backend` (None = the configured backend) runs on the engine thread; with
+        handler.engine_process child, in the engine process, so it must pickle."""
+        if config.handler.engine_process == "inline":
+            engine, tokenizer = start_engine(EngineSpec(config, model_dir,
+                                                        make_backend=make_backend), observer)
+            return cls(config, tokenizer, engine.backend, engine)
+        from handlers.engine_client import EngineClient
 
-        def build() -> tuple[Backend, Scheduler]:
-            backend = (make_backend and make_backend()) or load_backend(h, model_dir)
-            if h.warmup:
-                backend.warmup()
-            return backend, Scheduler(backend.batch_size, h.batching,
-                                      h.effective_micro_batch_size, h.max_queue,
-                                      h.batch_delay_ms / 1000)
-
-        engine = Engine.launch(build, observer)
-        logger.info("model ready in %.1fs: backend=%s batching=%s slots=%d", time.monotonic() -
-                    start, h.backend, h.batching, engine.backend.batch_size)
-        return cls(config, tokenizer, engine.backend, engine)
+        client = EngineClient.start(config, model_dir, observer, make_backend)
+        tokenizer = load_tokenizer(model_dir / config.handler.checkpoint)
+        return cls(config, tokenizer, client.limits, client)
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])
@@ -66,12 +106,34 @@ class GenerationService:
         """Queue the request; its events arrive on the returned queue (raises on 4xx/503)."""
         check_length(len(prompt_ids), request.max_new_tokens, self.backend.max_length,
                      getattr(self.backend, "max_prompt_length", None))
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        sink = QueueSink(loop, asyncio.Queue())
         seq = Sequence(request_id=request_id, prompt_ids=prompt_ids,
                        max_new_tokens=request.max_new_tokens, sampling=request.sampling,
-                       stop=request.stop, tokenizer=self.tokenizer,
-                       sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+                       stop=request.stop, tokenizer=self.tokenizer, sink=sink)
         if request.timeout_s is not None:
             seq.deadline = seq.arrived_at + request.timeout_s
         self.engine.submit(seq)
-        return events
+        return sink.queue
+
+
+class QueueSink:
+    """A request's events onto its asyncio queue, from the engine's thread.
+
+    Each call wakes the event loop (a write to its self-pipe, ~18 us measured); whoever
+    holds many events at once -- a step's worth from the engine process -- hands them
+    over with one `put_all` instead."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> None:
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    @staticmethod
+    def put_all(loop: asyncio.AbstractEventLoop, items: list[tuple[QueueSink, Event]]) -> None:
+        """Events for sinks of `loop`, delivered in one wake-up of the loop, in order."""
+        def put() -> None:
+            for sink, event in items:
+                sink.queue.put_nowait(event)
+
+        loop.call_soon_threadsafe(put)

@@ -6,6 +6,7 @@ without torch or the Neuron SDK.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,13 +15,17 @@ if TYPE_CHECKING:
     from handlers.config import HandlerConfig
 
 
-def load_backend(config: HandlerConfig, model_dir: Path) -> Backend:
-    """Build the configured backend; the checkpoint path is resolved against model_dir."""
+def load_backend(config: HandlerConfig, model_dir: Path,
+                 cores: Sequence[int] | None = None) -> Backend:
+    """Build the configured backend; the checkpoint path is resolved against model_dir.
+
+    `cores`: NeuronCores the TorchServe worker already claimed for this process (None:
+    the neuron backend claims its own)."""
     checkpoint = (model_dir / config.checkpoint).resolve()
     if config.backend == "neuron":
         from handlers.backends.neuron_backend import NeuronBackend
 
-        return NeuronBackend(checkpoint, config, model_dir=model_dir)
+        return NeuronBackend(checkpoint, config, model_dir=model_dir, cores=cores)
     try:
         from handlers.backends.torch_backend import TorchBackend
     except ImportError as exc:  # a Neuron SDK stack ships transformers 4.x

@@ -28,7 +28,7 @@ from typing import Any
 from handlers.backends.base import Backend, SamplingParams
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, NeuronUnavailableError, RequestError
-from handlers.neuron_cores import available_cores, claim_cores
+from handlers.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
 from handlers.neuron_env import apply_neuron_env, cache_root, neuron_env
 from neuron_cache.compile import compile_or_load
 from neuron_cache.key import context_buckets, key_inputs, read_model_config
@@ -114,13 +114,17 @@ def read_eos_ids(checkpoint: Path, model_config: dict[str, Any]) -> frozenset[in
 
 
 class NeuronBackend(Backend):
-    def __init__(self, checkpoint: Path, config: HandlerConfig, model_dir: Path) -> None:
+    def __init__(self, checkpoint: Path, config: HandlerConfig, model_dir: Path,
+                 cores: Sequence[int] | None = None) -> None:
         n = config.neuron
         self.batch_size = config.batch_size
         self.max_length = config.max_length
         # checked at submit, so a too-long prompt is a 400 for that request, not a failed batch
         self.max_prompt_length = min(context_buckets(config)[-1], config.max_length - 1)
-        self._claim = claim_cores(n, available_cores(n))
+        # cores given: the TorchServe worker holds their claim for its whole life, so a
+        # restarted engine process gets the same block back (handlers/engine_client.py)
+        self._claim = (claim_cores(n, available_cores(n)) if cores is None
+                       else CoreClaim(tuple(cores), lock_path(Path(n.core_lock_dir), cores), None))
         try:
             apply_neuron_env(neuron_env(config, self._claim.cores, model_dir))
             model_config = read_model_config(checkpoint)

@@ -1,0 +1,274 @@
+"""The engine process under the worker's supervision: a dead model never hangs a request.
+
+Real processes (spawned as in a worker), a pure-Python backend and tokenizer, so each
+engine process starts in about a second; tests/e2e/test_worker_death_e2e.py does the
+same through TorchServe with the fake Neuron SDK.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import psutil
+import pytest
+
+from handlers.backends.base import SamplingParams
+from handlers.config import parse_config
+from handlers.engine_client import EngineClient
+from handlers.errors import CapacityError, ConfigError
+from handlers.scheduler import ErrorEvent, FinishEvent, Sequence, TextEvent
+from handlers.service import EngineSpec
+from tests.unit.fakes import CharTokenizer, CountingBackend
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class SlowBackend(CountingBackend):
+    """A CountingBackend whose decode takes `step_s`; refuses to load while `broken` exists."""
+
+    def __init__(self, step_s: float = 0.02, broken: str | None = None, **kw) -> None:
+        if broken and os.path.exists(broken):
+            raise ConfigError(f"handler.checkpoint: {broken} says the model is broken")
+        super().__init__(**kw)
+        self.step_s = step_s
+
+    def decode(self, slots):
+        time.sleep(self.step_s)
+        return super().decode(slots)
+
+
+class Stream:
+    """A request's sink: collects events (from the client's reader thread) for the test."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self._cond = threading.Condition()
+
+    def sink(self, event) -> None:
+        with self._cond:
+            self.events.append(event)
+            self._cond.notify_all()
+
+    def wait(self, what, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: what(self.events), timeout_s)
+
+    def wait_started(self, timeout_s: float = 30) -> bool:
+        return self.wait(lambda ev: any(isinstance(e, TextEvent) for e in ev), timeout_s)
+
+    def wait_done(self, timeout_s: float = 30) -> bool:
+        return self.wait(lambda ev: bool(ev) and not isinstance(ev[-1], TextEvent), timeout_s)
+
+    @property
+    def last(self):
+        return self.events[-1]
+
+
+def start(tmp_path, batch_size: int = 4, max_queue: int = 8, observer=None,
+          broken: str | None = None, **handler) -> EngineClient:
+    config = parse_config({"handler": {"batch_size": batch_size, "max_queue": max_queue,
+                                       "max_length": 512, "max_new_tokens_limit": 256,
+                                       "warmup": False, **handler}})
+    spec = EngineSpec(config, tmp_path, make_tokenizer=CharTokenizer,
+                      make_backend=partial(SlowBackend, broken=broken, batch_size=batch_size,
+                                           max_length=512))
+    return EngineClient.launch(spec, observer, batch_size + max_queue)
+
+
+def submit(client: EngineClient, request_id: str, n: int = 200) -> Stream:
+    stream = Stream()
+    client.submit(Sequence(request_id=request_id, prompt_ids=[ord("a")], max_new_tokens=n,
+                           sampling=SamplingParams(), stop=(), sink=stream.sink,
+                           tokenizer=CharTokenizer()))
+    return stream
+
+
+@pytest.fixture
+def clients():
+    started: list[EngineClient] = []
+    yield started
+    for client in started:
+        client.stop()
+
+
+def test_a_killed_engine_process_fails_its_requests_at_once_then_serves_again(tmp_path,
+                                                                               clients):
+    client = start(tmp_path)
+    clients.append(client)
+    streams = [submit(client, f"r{i}") for i in range(4)]  # 200 steps of 20 ms: ~4 s each
+    assert all(s.wait_started() for s in streams)
+    dead = client.pid
+    os.kill(dead, signal.SIGKILL)
+    assert all(s.wait_done(5) for s in streams)  # the issue's bound
+    for s in streams:
+        assert isinstance(s.last, ErrorEvent) and s.last.status == 500
+        assert "SIGKILL" in s.last.message and "retry" in s.last.message
+    after = submit(client, "after", n=20)  # waits for the new process
+    assert after.wait_done(60)
+    assert isinstance(after.last, FinishEvent) and after.last.completion_tokens == 20
+    assert client.pid != dead and not psutil.pid_exists(dead)
+
+
+def test_a_model_that_fails_to_load_raises_its_own_error(tmp_path):
+    broken = tmp_path / "broken"
+    broken.touch()
+    with pytest.raises(ConfigError, match="says the model is broken") as caught:
+        start(tmp_path, broken=str(broken))
+    assert any("raised in the engine process" in note for note in caught.value.__notes__)
+
+
+def test_a_missing_checkpoint_fails_with_the_loaders_message(tmp_path):
+    config = parse_config({"handler": {"checkpoint": "nowhere", "warmup": False}})
+    spec = EngineSpec(config, tmp_path, make_tokenizer=CharTokenizer)
+    with pytest.raises(Exception, match="nowhere"):
+        EngineClient.launch(spec, None, 8)
+
+
+def test_a_failed_restart_answers_503_until_the_model_loads_again(tmp_path, clients):
+    broken = tmp_path / "broken"
+    client = start(tmp_path, broken=str(broken))
+    clients.append(client)
+    running = submit(client, "running")
+    assert running.wait_started()
+    broken.touch()
+    os.kill(client.pid, signal.SIGKILL)
+    assert running.wait_done(5) and running.last.status == 500
+    meanwhile = submit(client, "meanwhile", n=5)  # waits for the restart, which fails
+    assert meanwhile.wait_done(30)
+    assert isinstance(meanwhile.last, ErrorEvent) and meanwhile.last.status in (500, 503)
+    refused = None
+    for _ in range(100):  # while the model is down, a request is refused at once
+        try:
+            submit(client, f"probe{time.monotonic()}", n=1).wait_done(0.1)
+        except CapacityError as exc:
+            refused = exc
+            break
+    assert refused is not None and "broken" in str(refused) and refused.retry_after_s > 0
+    broken.unlink()
+    for attempt in range(60):  # the next attempt (after 1, 2, 5 s) loads
+        try:
+            later = submit(client, f"later{attempt}", n=5)
+            break
+        except CapacityError:
+            time.sleep(0.5)
+    assert later.wait_done(30) and isinstance(later.last, FinishEvent)
+
+
+def test_cancel_frees_the_slot_in_the_engine_process(tmp_path, clients):
+    client = start(tmp_path, batch_size=1)
+    clients.append(client)
+    first = submit(client, "first")
+    assert first.wait_started()
+    client.cancel("first")
+    assert first.wait_done(10) and first.last == ErrorEvent(499, "cancelled")
+    second = submit(client, "second", n=5)
+    assert second.wait_done(10) and isinstance(second.last, FinishEvent)
+
+
+def test_one_message_carries_every_sequence_of_a_step(tmp_path, clients):
+    client = start(tmp_path)
+    clients.append(client)
+    messages = []
+    deliver = client._deliver
+    client._deliver = lambda message: (messages.append(message), deliver(message))
+    streams = [submit(client, f"r{i}", n=50) for i in range(4)]
+    assert all(s.wait_done() for s in streams)
+    assert all(s.last.completion_tokens == 50 for s in streams)
+    events = sum(len(m[1]) for m in messages)
+    assert events >= 4 * 50
+    assert len(messages) <= 50 + 4  # one per step (4 prefills may arrive apart), not per token
+
+
+def test_metrics_reach_the_workers_observer(tmp_path, clients):
+    seen = []
+    client = start(tmp_path, observer=lambda *a: seen.append(a))
+    clients.append(client)
+    stream = submit(client, "r", n=5)
+    assert stream.wait_done()
+    names = {name for name, _, _ in seen}
+    assert {"TimeToFirstToken", "EngineQueueTime", "GeneratedTokens", "BusySlots"} <= names
+
+
+def test_a_full_worker_answers_503(tmp_path, clients):
+    client = start(tmp_path, batch_size=1, max_queue=1)
+    clients.append(client)
+    streams = [submit(client, "a"), submit(client, "b")]
+    with pytest.raises(CapacityError, match="2 requests are in flight"):
+        submit(client, "c")
+    client.stop()
+    assert all(s.wait_done(10) and s.last.status == 503 for s in streams)  # stop answers them
+
+
+def test_the_engine_process_exits_when_the_worker_dies(tmp_path):
+    script, pid_file = tmp_path / "worker.py", tmp_path / "engine.pid"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.unit.test_engine_client import start
+
+        if __name__ == "__main__":
+            client = start(Path({str(tmp_path)!r}))
+            Path({str(pid_file)!r}).write_text(str(client.pid))
+            time.sleep(600)
+    """))
+    worker = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            if pid_file.exists() or worker.poll() is not None:
+                break
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        assert psutil.Process(child).ppid() == worker.pid
+    finally:
+        worker.kill()
+        worker.wait()
+    try:
+        psutil.Process(child).wait(10)  # the pipe closed: the engine process exits
+    except psutil.NoSuchProcess:
+        pass
+    assert not psutil.pid_exists(child)
+
+
+def test_engine_process_is_child_or_inline():
+    assert parse_config({"handler": {}}).handler.engine_process == "child"
+    with pytest.raises(ConfigError, match="handler.engine_process: 'thread' is not allowed; "
+                                          "choose one of 'child', 'inline'"):
+        parse_config({"handler": {"engine_process": "thread"}})
+
+
+def test_inline_mode_runs_the_model_in_the_worker(tiny_checkpoint):
+    import asyncio
+
+    from handlers.engine import Engine
+    from handlers.request import parse_request
+    from handlers.service import GenerationService
+
+    config = parse_config({"handler": {"checkpoint": tiny_checkpoint.name, "threads": 1,
+                                       "max_length": 512, "max_new_tokens_limit": 256,
+                                       "engine_process": "inline"}})
+    service = GenerationService.create(config, tiny_checkpoint.parent)
+    try:
+        assert isinstance(service.engine, Engine)
+
+        async def generate():
+            request = parse_request({"prompt": "Hello", "max_new_tokens": 6,
+                                     "min_new_tokens": 6}, config.handler)
+            events = service.submit("r", request, service.encode(request.prompt),
+                                    asyncio.get_running_loop())
+            while isinstance(event := await events.get(), TextEvent):
+                pass
+            return event
+
+        done = asyncio.run(generate())
+        assert isinstance(done, FinishEvent) and done.completion_tokens == 6
+    finally:
+        service.engine.stop()
