@@ -28,6 +28,10 @@ from handlers.scheduler import ErrorEvent, FinishEvent, Sequence, TextEvent
 from handlers.service import EngineSpec
 from tests.unit.fakes import CharTokenizer, CountingBackend
 
+needs_torch_backend = pytest.mark.skipif(
+    int(__import__("transformers").__version__.split(".")[0]) < 5,
+    reason="the torch backend needs transformers 5 (a Neuron SDK stack has 4.x)")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -125,6 +129,7 @@ def test_a_model_that_fails_to_load_raises_its_own_error(tmp_path):
     assert any("raised in the engine process" in note for note in caught.value.__notes__)
 
 
+@needs_torch_backend
 def test_a_missing_checkpoint_fails_with_the_loaders_message(tmp_path):
     config = parse_config({"handler": {"checkpoint": "nowhere", "warmup": False}})
     spec = EngineSpec(config, tmp_path, make_tokenizer=CharTokenizer)
@@ -245,6 +250,7 @@ def test_engine_process_is_child_or_inline():
         parse_config({"handler": {"engine_process": "thread"}})
 
 
+@needs_torch_backend
 def test_inline_mode_runs_the_model_in_the_worker(tiny_checkpoint):
     import asyncio
 
