@@ -36,7 +36,7 @@ NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
 	tests/unit/test_openai_api.py tests/unit/test_engine_client.py \
 	tests/e2e/test_neuron_e2e.py tests/e2e/test_worker_death_e2e.py
 
-.PHONY: install overlays demo stop test test-main test-neuron-stack lint bench clean
+.PHONY: install overlays demo stop test test-main test-neuron-stack lint bench bench-device clean
 
 install: $(STAMP)
 
@@ -96,6 +96,10 @@ lint: install
 
 bench: install
 	$(PY) bench/run_bench.py --out bench/results
+
+# only the device-bound scenario (synthetic device, host efficiency): a few minutes
+bench-device: install
+	$(PY) bench/run_bench.py --only device-bound --out bench/results
 
 clean: stop
 	rm -rf $(RUN_DIR) model_store demo bench/work
