@@ -221,3 +221,25 @@ def test_synthetic_section_is_ignored_by_other_backends():
 def test_null_keys_mean_unset():
     cfg = _config({"preset": "llama-2-7b-tp24", "decode_step_ms": None})
     assert resolve_timing(cfg.synthetic, 256).decode_step_ms == 6.5
+
+
+def test_timer_slack_of_the_calling_thread_is_tightened():
+    import sys
+    import threading
+
+    from handlers.backends.synthetic_backend import tighten_timer_slack
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("prctl(PR_SET_TIMERSLACK) is Linux only")
+    seen = {}
+
+    def probe():  # a fresh thread, so the test process's own slack is left alone
+        import ctypes
+
+        seen["ok"] = tighten_timer_slack()
+        seen["slack"] = ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK, this thread
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert seen == {"ok": True, "slack": 1000}
