@@ -144,7 +144,7 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
 def summary_section(dev: DeviceBound) -> str:
     """SUMMARY.md's device-bound section (starts with MARKER)."""
     head = "| step | " + " | ".join(f"{c} stream{'s' * (c > 1)}" for c in dev.streams) + " |"
-    lines = [MARKER, "",
+    lines = [MARKER, "", f"{time.strftime('%Y-%m-%d %H:%M')}, code at {_commit()}.", "",
              f"A synthetic device (`handler.backend: synthetic`: no model compute; each decode "
              f"call sleeps a fixed step, prefill costs 0 ms) served through a real TorchServe "
              f"with batch_size {BATCH}, {NEW_TOKENS} new tokens per request, closed-loop "
@@ -170,6 +170,19 @@ def summary_section(dev: DeviceBound) -> str:
               "started; the synthetic device sleeps to a deadline, so this overshoot counts "
               "against host efficiency.", ""]
     return "\n".join(lines)
+
+
+def _commit() -> str:
+    """The checked-out commit (+ "-dirty"), so a figure can be tied to the engine it measured."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, text=True,
+                             capture_output=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "an unknown commit"
+    return f"commit {out}"
 
 
 MARKER = "## Device-bound: host efficiency against a synthetic device"

@@ -243,3 +243,16 @@ def test_timer_slack_of_the_calling_thread_is_tightened():
     t.start()
     t.join()
     assert seen == {"ok": True, "slack": 1000}
+
+
+def test_the_shipped_synthetic_config_validates(capsys):
+    from archive_tools.cli import main
+    from handlers.config import load_config
+
+    path = Path(__file__).resolve().parents[2] / "model_configs" / "synthetic-llama-2-7b.yaml"
+    h = load_config(path).handler
+    assert h.backend == "synthetic" and h.synthetic.preset == "llama-2-7b-tp24"
+    assert resolve_timing(h.synthetic, h.max_length).decode_s(h.batch_size) == \
+        pytest.approx(0.0121)
+    assert main(["validate", str(path)]) == 0
+    assert "backend synthetic: no Neuron checks" in capsys.readouterr().out
