@@ -185,7 +185,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--label", default="default", help="name of this setup in the report")
     p.add_argument("--device-step-ms", type=float,
                    help="the served model's decode step (a synthetic backend's decode_step_ms): "
-                   "adds host efficiency, tokens/s / (streams / step), per concurrency level")
+                   "adds host efficiency, tokens/s / (streams / step), per concurrency level "
+                   "(give --requests as a multiple of each level: a part-filled last wave "
+                   "leaves the device idle and counts against it)")
     p.add_argument("--append", action="store_true",
                    help="keep the other labels already in OUT/bench.json (compare setups)")
     p.set_defaults(func=_run)
