@@ -127,9 +127,9 @@ class SyntheticBackend(Backend):
         self._slack_thread: int | None = None  # the thread whose timer slack was tightened
         self._rows: dict[int, _Row] = {}
         self._decode_s = self.timing.decode_s(self.batch_size)
-        logger.info("synthetic device: decode %.2f ms at batch %d, prefill buckets %s ms %s, "
-                    "%d word tokens", self._decode_s * 1000, self.batch_size,
-                    list(self.timing.buckets), list(self.timing.prefill_ms), len(self.words))
+        logger.info("synthetic device: decode %.2f ms at batch %d, prefill %s ms for buckets "
+                    "%s, %d word tokens", self._decode_s * 1000, self.batch_size,
+                    list(self.timing.prefill_ms), list(self.timing.buckets), len(self.words))
 
     # -- Backend interface ------------------------------------------------------------
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
