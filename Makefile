@@ -34,9 +34,10 @@ NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
 	tests/unit/test_validate_cmd.py tests/unit/test_config.py tests/unit/test_scheduler.py \
 	tests/unit/test_engine.py tests/unit/test_request.py tests/unit/test_detokenize.py \
 	tests/unit/test_openai_api.py tests/unit/test_engine_client.py \
+	tests/unit/test_synthetic_backend.py tests/e2e/test_synthetic_e2e.py \
 	tests/e2e/test_neuron_e2e.py tests/e2e/test_worker_death_e2e.py
 
-.PHONY: install overlays demo stop test test-main test-neuron-stack lint bench clean
+.PHONY: install overlays demo stop test test-main test-neuron-stack lint bench bench-device clean
 
 install: $(STAMP)
 
@@ -96,6 +97,10 @@ lint: install
 
 bench: install
 	$(PY) bench/run_bench.py --out bench/results
+
+# only the device-bound scenario (synthetic device, host efficiency): a few minutes
+bench-device: install
+	$(PY) bench/run_bench.py --only device-bound --out bench/results
 
 clean: stop
 	rm -rf $(RUN_DIR) model_store demo bench/work

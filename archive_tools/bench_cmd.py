@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from archive_tools import bench_report, loadgen
-from archive_tools.bench_stats import BenchError, Scenario, ScenarioResult
+from archive_tools.bench_stats import BenchError, Scenario, ScenarioResult, host_efficiency
 
 DEFAULT_REQUESTS = 32
 
@@ -59,6 +59,14 @@ def check_reachable(result: ScenarioResult, url: str) -> None:
         raise BenchError(f"every request to {url} failed with {kind} ({example}); {fixes[kind]}")
 
 
+def efficiency_by_level(results: list[ScenarioResult], step_ms: float) -> dict[str, float]:
+    """Host efficiency of each concurrency scenario against a device of `step_ms` decode
+    steps (served tokens/s / (streams / step)), keyed by scenario name ("c=8")."""
+    return {r.scenario.name: round(host_efficiency(r.summary.output_tokens_per_s,
+                                                   int(r.scenario.level), step_ms), 3)
+            for r in results if r.scenario.mode == "concurrency"}
+
+
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -69,6 +77,8 @@ def _run(args: argparse.Namespace) -> int:
     token = loadgen.read_token(args.token, args.token_file)
     if not args.timeout > 0:
         raise BenchError(f"--timeout {args.timeout} must be > 0 seconds")
+    if args.device_step_ms is not None and not args.device_step_ms > 0:
+        raise BenchError(f"--device-step-ms {args.device_step_ms} must be > 0")
     if args.duration is not None:
         requests = None
     else:
@@ -114,8 +124,15 @@ def _run(args: argparse.Namespace) -> int:
             "max_new_tokens": args.max_new_tokens, "min_new_tokens": args.min_new_tokens,
             "temperature": args.temperature, "seed": args.seed,
             "price_per_hour": args.price_per_hour, "timeout_s": args.timeout}
+    efficiency = {}
+    if args.device_step_ms is not None:
+        efficiency = efficiency_by_level(results[args.label], args.device_step_ms)
+        meta.update(device_step_ms=args.device_step_ms, host_efficiency=efficiency)
     paths = bench_report.write_report(results, args.out, meta)
     bench_report.print_summary(results, console)
+    for name, value in efficiency.items():
+        console.print(f"host efficiency {name}: {value:.3f} (served tokens/s / (streams / "
+                      f"{args.device_step_ms:g} ms step))")
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
@@ -130,7 +147,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "  inf2serve bench http://127.0.0.1:8080/predictions/llama --token-file key_file.json\n"
         "  inf2serve bench URL --mode concurrency --concurrency 1,4,16 --requests 64\n"
         "  inf2serve bench URL --mode rate --rates 0.5,1,2 --duration 60 "
-        "--price-per-hour 0.76 --label inf2-continuous --out bench/results --append",
+        "--price-per-hour 0.76 --label inf2-continuous --out bench/results --append\n"
+        "  inf2serve bench URL --mode concurrency --concurrency 1,8,32 --max-new-tokens 128 "
+        "--device-step-ms 10   # a synthetic model (handler.backend: synthetic) of 10 ms steps",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("url", help="inference URL, e.g. http://127.0.0.1:8080/predictions/NAME")
@@ -164,6 +183,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results"),
                    help="report directory (default bench-results)")
     p.add_argument("--label", default="default", help="name of this setup in the report")
+    p.add_argument("--device-step-ms", type=float,
+                   help="the served model's decode step (a synthetic backend's decode_step_ms): "
+                   "adds host efficiency, tokens/s / (streams / step), per concurrency level "
+                   "(give --requests as a multiple of each level: a part-filled last wave "
+                   "leaves the device idle and counts against it)")
     p.add_argument("--append", action="store_true",
                    help="keep the other labels already in OUT/bench.json (compare setups)")
     p.set_defaults(func=_run)

@@ -139,6 +139,15 @@ def cost_per_million(output_tokens_per_s: float, price_per_hour: float | None) -
     return price_per_hour / 3600 / output_tokens_per_s * 1e6
 
 
+def host_efficiency(output_tokens_per_s: float, streams: int, step_ms: float) -> float:
+    """Served tokens/s over what a device of this decode step allows: `streams` rows, one
+    token each per step (the device-bound limit, streams / step time)."""
+    if not streams > 0 or not step_ms > 0:
+        raise BenchError(f"host efficiency needs streams > 0 and a step > 0 ms, got {streams} "
+                         f"and {step_ms}")
+    return output_tokens_per_s * step_ms / 1000 / streams
+
+
 def summarize(records: list[RequestRecord], wall_s: float,
               price_per_hour: float | None = None) -> Summary:
     """Latency percentiles over successful requests; throughput over the scenario's wall time."""

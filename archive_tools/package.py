@@ -142,15 +142,16 @@ def requirements_txt(config: ModelConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_checkpoint(checkpoint: Path) -> None:
-    """A serving checkpoint: config.json, weights and tokenizer files (what `prepare` writes)."""
+def check_checkpoint(checkpoint: Path, needs_weights: bool = True) -> None:
+    """A serving checkpoint: config.json, weights and tokenizer files (what `prepare` writes).
+    The synthetic backend reads no weights (`needs_weights` False)."""
     if not checkpoint.is_dir():
         raise Inf2ServeError(f"--checkpoint {checkpoint}: no such directory")
     if not (checkpoint / "config.json").is_file():
         raise Inf2ServeError(f"--checkpoint {checkpoint}: no config.json; pass a Hugging Face "
                              "checkpoint directory (see `inf2serve prepare`)")
     has_weights = any(next(checkpoint.glob(g), None) for g in WEIGHT_GLOBS)
-    if not has_weights and not (checkpoint / "pytorch_model.bin").is_dir():
+    if needs_weights and not has_weights and not (checkpoint / "pytorch_model.bin").is_dir():
         raise Inf2ServeError(f"--checkpoint {checkpoint}: no *.safetensors or pytorch_model.bin; "
                              "run `inf2serve prepare SRC OUT` to write a serving checkpoint")
     if not any((checkpoint / f).is_file() for f in TOKENIZER_FILES):
@@ -182,7 +183,7 @@ def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_d
     if link and fmt != "no-archive":
         raise Inf2ServeError("--link only applies to --format no-archive (archives copy bytes)")
     checkpoint = Path(checkpoint)
-    check_checkpoint(checkpoint)
+    check_checkpoint(checkpoint, needs_weights=config.handler.backend != "synthetic")
     ckpt_name = config.handler.checkpoint
     if Path(ckpt_name).is_absolute() or ".." in Path(ckpt_name).parts:
         raise Inf2ServeError(f"handler.checkpoint: {ckpt_name!r} must be a relative path inside "

@@ -9,9 +9,13 @@ One run, one machine, the same torch thread count everywhere:
      continuous` and with `batching: micro` (static batches), and the reference Inf2
      design (bench/reference_handler.py) -- each measured single-stream, with 8
      closed-loop streams, and with Poisson arrivals at 2 req/s;
-  3. a side-by-side report (bench.json, bench.md, PNG plots) plus SUMMARY.md with the
+  3. the device-bound scenario (bench/device_bound.py): a synthetic device of 10 ms and
+     5 ms decode steps served through TorchServe, host efficiency at 1-64 streams;
+  4. a side-by-side report (bench.json, bench.md, PNG plots) plus SUMMARY.md with the
      issue's targets as measured ratios.
-Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 12 minutes on 2 cores).
+Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 15 minutes on 2 cores);
+`--only device-bound` (`make bench-device`, a few minutes) reruns just step 3 and replaces
+its part of an existing report.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from archive_tools.loadgen import (  # noqa: E402
     run_scenario,
     tokenizer_counter,
 )
+from bench import device_bound  # noqa: E402
 from tests.e2e.harness import ArchiveSpec, build_store, running_server  # noqa: E402
 
 NEW_TOKENS = 64
@@ -202,20 +207,9 @@ def summary_md(pairs: dict, results: dict[str, list[ScenarioResult]], threads: i
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--work", default=str(ROOT / "bench" / "work"))
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rate-duration", type=float, default=30.0)
-    ap.add_argument("--rounds", type=int, default=7, help="paired in-process/served rounds")
-    args = ap.parse_args()
-    work, out = Path(args.work), Path(args.out)
-    checkpoint = work / "bench-llama"
-    if not (checkpoint / "config.json").exists():
-        build_demo_model(checkpoint, "bench", seed=0)
-    prompts = build_prompts(64, PROMPT_TOKENS, seed=0, count_tokens=tokenizer_counter(checkpoint))
-
+def run_cpu(args: argparse.Namespace, checkpoint: Path, prompts: list[str], work: Path
+            ) -> tuple[dict[str, list[ScenarioResult]], dict, str]:
+    """Steps 1-2: the bench model in-process and served three ways."""
     inproc = InProcess(checkpoint, args.threads)
     common = {"threads": args.threads, "max_length": 1024, "max_new_tokens_limit": 512,
               "max_queue": 256}
@@ -244,8 +238,52 @@ def main() -> int:
             results[label] = served(url, server.inference_token, label, prompts,
                                     args.rate_duration)
     meta = {"threads": args.threads, "paired_rounds": pairs, "new_tokens": NEW_TOKENS}
+    return results, meta, summary_md(pairs, results, args.threads)
+
+
+def previous_report(out: Path) -> tuple[dict[str, list[ScenarioResult]], dict, str]:
+    """An existing report's CPU part (results, meta, SUMMARY.md text), for --only device-bound."""
+    from archive_tools.bench_report import JSON_NAME, load_report
+
+    results, meta, text = {}, {}, ""
+    if (out / JSON_NAME).exists():
+        results = load_report(out / JSON_NAME)
+        meta = json.loads((out / JSON_NAME).read_text("utf-8"))["meta"]
+    if (out / "SUMMARY.md").exists():
+        text = (out / "SUMMARY.md").read_text("utf-8").split(device_bound.MARKER)[0]
+    results = {k: v for k, v in results.items() if not k.startswith("device-")}
+    meta = {k: v for k, v in meta.items() if k not in ("created", "device_bound")}
+    return results, meta, text.rstrip("\n") + "\n\n" if text.strip() else ""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--work", default=str(ROOT / "bench" / "work"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rate-duration", type=float, default=30.0)
+    ap.add_argument("--rounds", type=int, default=7, help="paired in-process/served rounds")
+    ap.add_argument("--only", choices=("cpu", "device-bound"),
+                    help="run one part; device-bound keeps the CPU part of an existing report")
+    ap.add_argument("--device-rounds", type=int, default=3,
+                    help="rounds of the device-bound scenario (median reported)")
+    args = ap.parse_args()
+    work, out = Path(args.work), Path(args.out)
+    checkpoint = work / "bench-llama"
+    if not (checkpoint / "config.json").exists():
+        build_demo_model(checkpoint, "bench", seed=0)
+    prompts = build_prompts(64, PROMPT_TOKENS, seed=0, count_tokens=tokenizer_counter(checkpoint))
+
+    if args.only == "device-bound":
+        results, meta, text = previous_report(out)
+    else:
+        results, meta, text = run_cpu(args, checkpoint, prompts, work)
+    if args.only != "cpu":
+        dev = device_bound.run(checkpoint, work, prompts, args.threads, args.device_rounds)
+        results.update(dev.results)
+        meta["device_bound"] = dev.meta()
+        text += device_bound.summary_section(dev)
     write_report(results, out, meta)
-    text = summary_md(pairs, results, args.threads)
     (out / "SUMMARY.md").write_text(text)
     print(text)
     return 0

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from handlers.backends.synthetic_timing import PRESETS, resolve_timing
 from handlers.errors import ConfigError
 
 
@@ -66,10 +67,30 @@ class NeuronSettings:
 
 
 @dataclass(frozen=True)
+class SyntheticSettings:
+    """The synthetic device (handlers/backends/synthetic_backend.py); only read when backend
+    is synthetic. Unset keys come from the preset (handlers/backends/synthetic_timing.py)."""
+
+    preset: str = _opt("", choices=("", *PRESETS), doc="published Inf2 decode figures")
+    decode_step_ms: float | None = _opt(None, lo=0.0, doc="a decode call at batch 1; required "
+                                                         "without a preset")
+    decode_ms_per_row: float | None = _opt(None, lo=0.0, doc="added per compiled row beyond "
+                                                            "the first; default 0 (preset: its "
+                                                            "batch-1 to batch-8 slope)")
+    context_length_estimate: list | None = _opt(None, doc="prefill buckets; default: the "
+                                                          "preset's, else [max_length]")
+    prefill_ms: list | None = _opt(None, doc="one per bucket: a prefill call costs its longest "
+                                             "prompt's bucket; default: the preset's "
+                                             "(estimates), else one decode step")
+
+
+@dataclass(frozen=True)
 class HandlerConfig:
     """The `handler:` section: what the toolkit itself reads."""
 
-    backend: str = _opt("torch", choices=("torch", "neuron"))
+    backend: str = _opt("torch", choices=("torch", "neuron", "synthetic"),
+                        doc="synthetic: no model, a device that sleeps (host-efficiency "
+                            "benchmarks; never a hardware result)")
     checkpoint: str = _opt("model", doc="checkpoint directory, relative to the model dir")
     batching: str = _opt("continuous", choices=("continuous", "micro"))
     batch_size: int = _opt(4, lo=1, hi=256, doc="sequences the backend runs at once (slots)")
@@ -96,6 +117,7 @@ class HandlerConfig:
                                       "the checkpoint dir; empty = the tokenizer's template")
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     neuron: NeuronSettings = field(default_factory=NeuronSettings)
+    synthetic: SyntheticSettings = field(default_factory=SyntheticSettings)
 
     @property
     def effective_micro_batch_size(self) -> int:
@@ -179,6 +201,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         f = fields[key]
         tp = hints[f.name]
         if isinstance(tp, types.UnionType):
+            if value is None and type(None) in typing.get_args(tp):  # `key: null` = unset
+                kwargs[f.name] = None
+                continue
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
         kwargs[f.name] = _check_value(f, tp, value, path)
     return cls(**kwargs)
@@ -224,6 +249,8 @@ def _cross_check(cfg: ModelConfig) -> None:
                           f"use integers in [1, handler.max_length {h.max_length}]")
     if not all(isinstance(f, str) for f in n.compiler_flags):
         raise ConfigError("handler.neuron.compiler_flags: expected a list of strings")
+    if h.backend == "synthetic":
+        resolve_timing(h.synthetic, h.max_length)  # raises ConfigError naming the key
     if not fe.async_communication:
         raise ConfigError(
             "asyncCommunication: must be true; the handler streams every request on its own and "

@@ -26,6 +26,10 @@ def load_backend(config: HandlerConfig, model_dir: Path,
         from handlers.backends.neuron_backend import NeuronBackend
 
         return NeuronBackend(checkpoint, config, model_dir=model_dir, cores=cores)
+    if config.backend == "synthetic":  # no torch: runs on any transformers the worker has
+        from handlers.backends.synthetic_backend import SyntheticBackend
+
+        return SyntheticBackend(checkpoint, config)
     try:
         from handlers.backends.torch_backend import TorchBackend
     except ImportError as exc:  # a Neuron SDK stack ships transformers 4.x

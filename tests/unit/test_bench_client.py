@@ -244,6 +244,23 @@ def test_cli_writes_report_files(server, bench_cli, tmp_path, capsys):
     assert rc == 0 and set(bench_report.load_report(out / "bench.json")) == {"fake", "other"}
 
 
+def test_cli_reports_host_efficiency_against_a_device_step(server, bench_cli, tmp_path,
+                                                            capsys):
+    _, base = server
+    out = tmp_path / "report"
+    rc = bench_cli(["bench", f"{base}/predictions/ok", "--token", TOKEN, "--mode", "concurrency",
+                   "--concurrency", "1,2", "--requests", "2", "--max-new-tokens", "4",
+                   "--device-step-ms", "10", "--out", str(out)])
+    assert rc == 0
+    meta = json.loads((out / "bench.json").read_text())["meta"]
+    runs = bench_report.load_report(out / "bench.json")["default"]
+    assert meta["device_step_ms"] == 10 and set(meta["host_efficiency"]) == {"c=1", "c=2"}
+    for r in runs:  # tokens/s over (streams / 10 ms)
+        want = r.summary.output_tokens_per_s * 0.01 / r.scenario.level
+        assert meta["host_efficiency"][r.scenario.name] == pytest.approx(want, abs=1e-3)
+    assert "host efficiency c=2:" in capsys.readouterr().out
+
+
 def test_cli_one_line_errors(server, bench_cli, tmp_path, capsys):
     _, base = server
     rc = bench_cli(["bench", f"{base}/predictions/ok", "--mode", "sync", "--requests", "2",

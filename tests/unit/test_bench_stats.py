@@ -108,3 +108,14 @@ def test_scenario_names_and_roundtrip():
     result = ScenarioResult("micro", Scenario("concurrency", 5, requests=4), _records(), 2.0, 3.6)
     back = ScenarioResult.from_dict(result.to_dict())
     assert back.summary == result.summary and back.scenario == result.scenario
+
+
+def test_host_efficiency_against_the_device_bound_limit():
+    from archive_tools.bench_stats import host_efficiency
+
+    # 32 streams at 10 ms steps allow 3200 tokens/s
+    assert host_efficiency(3200.0, 32, 10.0) == pytest.approx(1.0)
+    assert host_efficiency(2624.0, 32, 10.0) == pytest.approx(0.82)
+    assert host_efficiency(176.0, 1, 5.0) == pytest.approx(0.88)
+    with pytest.raises(BenchError, match="step > 0 ms"):
+        host_efficiency(100.0, 8, 0)

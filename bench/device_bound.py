@@ -1,0 +1,188 @@
+"""The device-bound scenario of `make bench`: host efficiency against a synthetic device.
+
+A synthetic backend (handlers/backends/synthetic_backend.py: no model compute, a decode
+call sleeps a fixed step) served through a real TorchServe, so the accelerator is never
+the bottleneck the way the CPU bench model is: what this measures is the serving path's
+host work (engine, engine process, asyncio loop, TorchServe send path) on this machine.
+
+Host efficiency = served output tokens/s / (streams / step time): 1.0 means every decode
+step carried a token for every stream, with the device never idle. Each round runs every
+(step, streams) cell once, interleaved so machine drift hits all cells alike; a cell's
+figure is the median over rounds. Prefill costs no device time here, so the limit is
+exactly streams / step. Never a hardware result.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from archive_tools.bench_stats import Scenario, ScenarioResult, host_efficiency, percentile
+from archive_tools.loadgen import GenParams, run_scenario
+from handlers.backends.synthetic_backend import tighten_timer_slack
+from tests.e2e.harness import ArchiveSpec, build_store, running_server
+
+STEPS_MS = (10.0, 5.0)
+STREAMS = (1, 8, 32, 64)
+NEW_TOKENS = 128
+BATCH = 64
+REQUESTS_PER_STREAM = 3
+TARGETS = {(10.0, 1): 0.97, (10.0, 8): 0.97, (10.0, 32): 0.97, (5.0, 32): 0.93}  # issue 13
+
+
+def label(step_ms: float) -> str:
+    return f"device-{step_ms:g}ms"
+
+
+def synthetic_checkpoint(source: Path, dest: Path) -> Path:
+    """The checkpoint's config and tokenizer files, without weights (none are read)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and f.suffix not in (".safetensors", ".bin"):
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+def archive(step_ms: float, threads: int) -> ArchiveSpec:
+    return ArchiveSpec(label(step_ms), fmt="no-archive", handler={
+        "backend": "synthetic", "batching": "continuous", "batch_size": BATCH,
+        "max_length": 1024, "max_new_tokens_limit": 512, "max_queue": 256, "threads": threads,
+        "warmup": False,
+        "synthetic": {"decode_step_ms": step_ms, "decode_ms_per_row": 0, "prefill_ms": [0]}})
+
+
+def sleep_overshoot(target_s: float = 0.005, n: int = 200) -> dict:
+    """How much later than asked time.sleep(target) returns, in microseconds, on a fresh
+    thread with the timer slack the synthetic device sets (1 us). The device sleeps to a
+    deadline, so this overshoot lengthens every step."""
+    late: list[float] = []
+
+    def measure() -> None:
+        tighten_timer_slack()
+        for _ in range(n):
+            start = time.perf_counter()
+            time.sleep(target_s)
+            late.append((time.perf_counter() - start - target_s) * 1e6)
+
+    thread = threading.Thread(target=measure)
+    thread.start()
+    thread.join()
+    return {"target_ms": target_s * 1000, "samples": n,
+            "median_us": round(statistics.median(late), 1),
+            "p90_us": round(percentile(late, 90), 1), "p99_us": round(percentile(late, 99), 1),
+            "max_us": round(max(late), 1)}
+
+
+@dataclass
+class DeviceBound:
+    steps_ms: tuple[float, ...]
+    streams: tuple[int, ...]
+    rounds: int
+    #: (step_ms, streams) -> one efficiency per round
+    efficiency: dict[tuple[float, int], list[float]] = field(default_factory=dict)
+    tokens_per_s: dict[tuple[float, int], list[float]] = field(default_factory=dict)
+    #: label -> the median round's result of each cell, for bench.json / bench.md
+    results: dict[str, list[ScenarioResult]] = field(default_factory=dict)
+    overshoot: dict = field(default_factory=dict)
+
+    def median(self, step: float, streams: int) -> float:
+        return statistics.median(self.efficiency[step, streams])
+
+    def meta(self) -> dict:
+        return {"model": f"synthetic, batch {BATCH}, fixed step, prefill 0 ms",
+                "new_tokens": NEW_TOKENS, "requests_per_stream": REQUESTS_PER_STREAM,
+                "rounds": self.rounds, "sleep_overshoot": self.overshoot,
+                "host_efficiency_median": {
+                    f"{s:g}ms": {str(c): round(self.median(s, c), 3) for c in self.streams}
+                    for s in self.steps_ms},
+                "host_efficiency_rounds": {
+                    f"{s:g}ms": {str(c): [round(e, 3) for e in self.efficiency[s, c]]
+                                 for c in self.streams} for s in self.steps_ms}}
+
+
+def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: int = 3,
+        steps_ms: tuple[float, ...] = STEPS_MS, streams: tuple[int, ...] = STREAMS
+        ) -> DeviceBound:
+    out = DeviceBound(steps_ms, streams, rounds, overshoot=sleep_overshoot())
+    print(f"device-bound: time.sleep(5 ms) overshoot {out.overshoot}", flush=True)
+    ckpt = synthetic_checkpoint(checkpoint, work / "synthetic-ckpt")
+    specs = [archive(s, threads) for s in steps_ms]
+    store = build_store(work / "device", ckpt, specs)
+    params = GenParams(max_new_tokens=NEW_TOKENS)  # the synthetic model never emits EOS
+    runs: dict[tuple[float, int], list[ScenarioResult]] = {}
+    with running_server(store, work / "device-run", [s.name for s in specs]) as server:
+        urls = {s: f"{server.inference_url}/predictions/{label(s)}" for s in steps_ms}
+        for s in steps_ms:  # warm-up: long enough for the JVM's JIT to settle (see run_bench)
+            run_scenario(urls[s], server.inference_token,
+                         Scenario("concurrency", max(streams), requests=3 * max(streams)),
+                         prompts, params)
+        for r in range(rounds):
+            for s in steps_ms:
+                for c in streams:
+                    res = run_scenario(urls[s], server.inference_token,
+                                       Scenario("concurrency", c, requests=c * REQUESTS_PER_STREAM),
+                                       prompts, params, label=label(s))
+                    tps = res.summary.output_tokens_per_s
+                    eff = host_efficiency(tps, c, s)
+                    out.efficiency.setdefault((s, c), []).append(eff)
+                    out.tokens_per_s.setdefault((s, c), []).append(tps)
+                    runs.setdefault((s, c), []).append(res)
+                    print(f"  round {r + 1} step {s:g} ms streams {c:2d}: {tps:7.1f} tok/s "
+                          f"efficiency {eff:.3f} ok={res.summary.ok}/{res.summary.requests}",
+                          flush=True)
+    for (s, c), cell in runs.items():  # the round whose efficiency is the median
+        effs = out.efficiency[s, c]
+        mid = sorted(range(len(effs)), key=effs.__getitem__)[len(effs) // 2]
+        out.results.setdefault(label(s), []).append(cell[mid])
+    return out
+
+
+def summary_section(dev: DeviceBound) -> str:
+    """SUMMARY.md's device-bound section (starts with MARKER)."""
+    head = "| step | " + " | ".join(f"{c} stream{'s' * (c > 1)}" for c in dev.streams) + " |"
+    lines = [MARKER, "", f"{time.strftime('%Y-%m-%d %H:%M')}, code at {_commit()}.", "",
+             f"A synthetic device (`handler.backend: synthetic`: no model compute; each decode "
+             f"call sleeps a fixed step, prefill costs 0 ms) served through a real TorchServe "
+             f"with batch_size {BATCH}, {NEW_TOKENS} new tokens per request, closed-loop "
+             f"streams of {REQUESTS_PER_STREAM} requests each. Host efficiency = served output "
+             f"tokens/s / (streams / step): the share of the device's steps that carried a "
+             f"token for every stream. Median of {dev.rounds} interleaved rounds (per-round "
+             "values in bench.json meta.device_bound). A measure of this machine's serving "
+             "path, never a hardware result.", "", head,
+             "|---|" + "---|" * len(dev.streams)]
+    for s in dev.steps_ms:
+        cells = []
+        for c in dev.streams:
+            tps = statistics.median(dev.tokens_per_s[s, c])
+            goal = TARGETS.get((s, c))
+            mark = "" if goal is None else (f", goal >= {goal}: "
+                                            f"{'yes' if dev.median(s, c) >= goal else 'NO'}")
+            cells.append(f"**{dev.median(s, c):.3f}** ({tps:.0f} tok/s{mark})")
+        lines.append(f"| {s:g} ms | " + " | ".join(cells) + " |")
+    o = dev.overshoot
+    lines += ["", f"`time.sleep({o['target_ms']:g} ms)` returns late by {o['median_us']} us "
+              f"(median; p99 {o['p99_us']} us, max {o['max_us']} us over {o['samples']}, "
+              "1 us timer slack as the device sets) in the bench process before the server "
+              "started; the synthetic device sleeps to a deadline, so this overshoot counts "
+              "against host efficiency.", ""]
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    """The checked-out commit (+ "-dirty"), so a figure can be tied to the engine it measured."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, text=True,
+                             capture_output=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "an unknown commit"
+    return f"commit {out}"
+
+
+MARKER = "## Device-bound: host efficiency against a synthetic device"

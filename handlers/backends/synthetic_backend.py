@@ -1,0 +1,196 @@
+"""A device that only takes time: no model, no weights, real tokens.
+
+For measuring the serving path's host efficiency (served tokens/s against what a device
+of a given step time allows) and for developing without Inferentia2: the engine,
+scheduler, engine process and TorchServe path are the real ones; only the model call is
+replaced by a sleep of the configured device time (handlers/backends/synthetic_timing.py).
+Never a hardware result.
+
+- The sleep releases the GIL, as a Neuron device call does, and ends at a deadline taken
+  at the call's start, so the backend's own host work (picking tokens) hides inside it.
+  The sleeping thread's timer slack is cut to 1 us (Linux), so it wakes on time.
+- Tokens are real ids from the checkpoint's tokenizer (only config.json and the
+  tokenizer are read) that begin a word and decode to plain text; special tokens and
+  EOS are never emitted, so every request runs to its max_new_tokens. Greedy rows are
+  a pure function of (prompt, position); sampling rows of (seed, prompt, position), or
+  random without a seed -- so tests can assert outputs.
+- The slot contract is the torch backend's: prefill into a busy slot raises, and a
+  decode must name exactly the running slots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from handlers.backends.base import Backend, SamplingParams
+from handlers.backends.synthetic_timing import DeviceTiming, resolve_timing
+from handlers.config import HandlerConfig
+from handlers.errors import ConfigError, RequestError
+
+logger = logging.getLogger(__name__)
+_MASK = (1 << 64) - 1
+#: a token that starts a word: sentencepiece "▁" or byte-level BPE "Ġ", then letters
+_WORD = re.compile(r"^[\u2581\u0120][A-Za-z]{2,}$")
+MIN_WORDS = 16
+
+
+def tighten_timer_slack() -> bool:
+    """Linux wakes a sleeping thread up to its timer slack (50 us by default) late, on top
+    of scheduling delay; 1 us for the calling thread, so a device step ends when it should.
+    Measured on the 2-core bench host, time.sleep(5 ms) came back a median 136 us late
+    with the default slack and 83 us with 1 us. False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    pr_set_timerslack = 29  # linux/prctl.h
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(pr_set_timerslack, 1000, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a cheap, well-spread 64-bit hash of an int."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def word_token_ids(tokenizer, vocab_size: int, excluded: frozenset[int]) -> tuple[int, ...]:
+    """Ids that start a word and decode to letters, sorted; the synthetic model's vocabulary."""
+    special = set(getattr(tokenizer, "all_special_ids", ())) | set(excluded)
+    ids = range(min(vocab_size, len(tokenizer)))
+    pieces = tokenizer.convert_ids_to_tokens(list(ids))
+    words = tuple(i for i, p in zip(ids, pieces, strict=True)
+                  if i not in special and isinstance(p, str) and _WORD.match(p))
+    if len(words) < MIN_WORDS:  # an unusual tokenizer: any id whose text is a plain word
+        words = tuple(i for i in ids if i not in special
+                      and re.fullmatch(r" ?[A-Za-z]{2,}", tokenizer.decode([i]) or ""))
+    if len(words) < MIN_WORDS:
+        raise ConfigError(f"handler.backend synthetic: the tokenizer has only {len(words)} "
+                          "plain-word tokens; use a checkpoint with a word-level vocabulary")
+    return words
+
+
+def read_checkpoint_ids(checkpoint: Path) -> tuple[int, frozenset[int]]:
+    """vocab_size and EOS ids from config.json / generation_config.json (what generate uses)."""
+    cfg_path = checkpoint / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"handler.checkpoint: {checkpoint} has no config.json")
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    eos = None
+    gen = checkpoint / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+    if eos is None:
+        eos = cfg.get("eos_token_id")
+    vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+    if not isinstance(vocab, int):
+        raise ConfigError(f"handler.checkpoint: {cfg_path} has no integer vocab_size")
+    return vocab, frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
+@dataclass
+class _Row:
+    key: int  # hash of (prompt, seed): what this row's tokens are a function of
+    position: int  # absolute position of the next token
+    rng: random.Random | None  # sampling without a seed
+
+
+class SyntheticBackend(Backend):
+    def __init__(self, checkpoint: Path, config: HandlerConfig, *, tokenizer=None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.timing: DeviceTiming = resolve_timing(config.synthetic, config.max_length)
+        self.batch_size = config.batch_size
+        self.max_length = config.max_length
+        self.max_prompt_length = min(self.timing.buckets[-1], config.max_length - 1)
+        vocab, self.eos_token_ids = read_checkpoint_ids(checkpoint)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.words = word_token_ids(tokenizer, vocab, self.eos_token_ids)
+        self._clock, self._sleep = clock, sleep
+        self._slack_thread: int | None = None  # the thread whose timer slack was tightened
+        self._rows: dict[int, _Row] = {}
+        self._decode_s = self.timing.decode_s(self.batch_size)
+        logger.info("synthetic device: decode %.2f ms at batch %d, prefill %s ms for buckets "
+                    "%s, %d word tokens", self._decode_s * 1000, self.batch_size,
+                    list(self.timing.prefill_ms), list(self.timing.buckets), len(self.words))
+
+    # -- Backend interface ------------------------------------------------------------
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                params: Sequence[SamplingParams]) -> list[int]:
+        start = self._clock()
+        if not len(slots) == len(prompts) == len(params):
+            raise ValueError(f"prefill of {len(slots)} slots, {len(prompts)} prompts and "
+                             f"{len(params)} sampling params")
+        busy = set(self._rows) & set(slots)
+        if busy:
+            raise ValueError(f"prefill into busy slots {sorted(busy)}")
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.batch_size for s in slots):
+            raise ValueError(f"prefill slots {list(slots)}: expected distinct slots in "
+                             f"[0, {self.batch_size})")
+        for prompt in prompts:
+            if not 0 < len(prompt) <= self.max_prompt_length:
+                raise RequestError("prompt", f"{len(prompt)} tokens; expected 1 to "
+                                   f"{self.max_prompt_length}")
+        rows = [self._new_row(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        tokens = [self._next(row) for row in rows]
+        self._rows.update(zip(slots, rows, strict=True))
+        self._wait(start, self.timing.prefill_s(max(len(p) for p in prompts)))
+        return tokens
+
+    def decode(self, slots: Sequence[int]) -> list[int]:
+        start = self._clock()
+        if len(set(slots)) != len(slots) or set(slots) != set(self._rows):
+            raise ValueError(f"decode of slots {sorted(slots)} but running {sorted(self._rows)}")
+        tokens = [self._next(self._rows[s]) for s in slots]
+        self._wait(start, self._decode_s)
+        return tokens
+
+    def release(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self._rows.pop(slot, None)
+
+    # -- the synthetic model ----------------------------------------------------------
+    def _new_row(self, prompt: Sequence[int], p: SamplingParams) -> _Row:
+        digest = hashlib.blake2b(",".join(map(str, prompt)).encode(), digest_size=8).digest()
+        key = int.from_bytes(digest, "little")
+        rng = None
+        if not p.greedy:
+            if p.seed is None:
+                rng = random.Random()
+            else:
+                key = _mix(key ^ _mix(p.seed & _MASK))
+        return _Row(key, len(prompt), rng)
+
+    def _next(self, row: _Row) -> int:
+        if row.rng is not None:
+            token = self.words[row.rng.randrange(len(self.words))]
+        else:
+            token = self.words[_mix(row.key + row.position) % len(self.words)]
+        row.position += 1
+        return token
+
+    def _wait(self, start: float, seconds: float) -> None:
+        """Sleep until `start + seconds` (time.sleep releases the GIL)."""
+        if self._sleep is time.sleep and self._slack_thread != threading.get_ident():
+            self._slack_thread = threading.get_ident()  # the engine thread, once
+            tighten_timer_slack()
+        left = start + seconds - self._clock()
+        if left > 0:
+            self._sleep(left)

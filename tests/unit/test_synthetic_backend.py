@@ -1,0 +1,258 @@
+"""The synthetic device: slot contract, deterministic real tokens, timing model, config.
+
+Timing is asserted through an injected clock and sleep (the durations the backend asks
+for), never by wall-clock measurement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from handlers.backends import load_backend
+from handlers.backends.base import SamplingParams
+from handlers.backends.synthetic_backend import SyntheticBackend
+from handlers.backends.synthetic_timing import PRESETS, resolve_timing
+from handlers.config import parse_config
+from handlers.errors import ConfigError, RequestError
+
+GREEDY = SamplingParams()
+
+
+def _config(synthetic: dict | None = None, **handler):
+    h = {"backend": "synthetic", "batch_size": 4, "max_length": 256, "max_new_tokens_limit": 128,
+         "synthetic": {"decode_step_ms": 10} if synthetic is None else synthetic, **handler}
+    return parse_config({"handler": h}).handler
+
+
+class FakeClock:
+    """perf_counter that only moves when asked; sleep records what was requested."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+        self.work_s = 0.0  # host time each clock read after the first of a call adds
+
+    def clock(self) -> float:
+        t = self.now
+        self.now += self.work_s
+        return t
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(round(seconds, 9))
+        self.now += seconds
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+def _backend(ckpt: Path, tok, clock: FakeClock | None = None, **kw) -> SyntheticBackend:
+    clock = clock or FakeClock()
+    return SyntheticBackend(ckpt, _config(**kw), tokenizer=tok, clock=clock.clock,
+                            sleep=clock.sleep)
+
+
+def _run(backend: SyntheticBackend, slot: int, prompt: list[int], n: int,
+         params: SamplingParams = GREEDY) -> list[int]:
+    out = backend.prefill([slot], [prompt], [params])
+    for _ in range(n - 1):
+        out += backend.decode([slot])
+    backend.release([slot])
+    return out
+
+
+# -- contract ------------------------------------------------------------------------------
+def test_prefill_into_busy_slot_raises(tiny_checkpoint, tokenizer):
+    b = _backend(tiny_checkpoint, tokenizer)
+    b.prefill([1], [[5, 6]], [GREEDY])
+    with pytest.raises(ValueError, match="busy slots \\[1\\]"):
+        b.prefill([0, 1], [[5], [6]], [GREEDY, GREEDY])
+    assert b.decode([1])  # the failed prefill left the running batch as it was
+
+
+def test_decode_must_name_exactly_the_running_slots(tiny_checkpoint, tokenizer):
+    b = _backend(tiny_checkpoint, tokenizer)
+    b.prefill([0, 2], [[5], [6]], [GREEDY, GREEDY])
+    for wrong in ([0], [0, 1, 2], [0, 0, 2]):
+        with pytest.raises(ValueError, match="running \\[0, 2\\]"):
+            b.decode(wrong)
+    b.release([0])
+    assert len(b.decode([2])) == 1
+
+
+def test_slots_and_prompt_lengths_are_checked(tiny_checkpoint, tokenizer):
+    b = _backend(tiny_checkpoint, tokenizer)
+    with pytest.raises(ValueError, match="distinct slots in \\[0, 4\\)"):
+        b.prefill([4], [[5]], [GREEDY])
+    with pytest.raises(RequestError, match="prompt"):
+        b.prefill([0], [[]], [GREEDY])
+    with pytest.raises(RequestError, match="expected 1 to 255"):
+        b.prefill([0], [[5] * 256], [GREEDY])
+
+
+def test_load_backend_builds_it_from_the_config(tiny_checkpoint):
+    cfg = _config(checkpoint=tiny_checkpoint.name)
+    backend = load_backend(cfg, tiny_checkpoint.parent)
+    assert isinstance(backend, SyntheticBackend)
+    assert (backend.batch_size, backend.max_length, backend.max_prompt_length) == (4, 256, 255)
+
+
+def test_batch_of_64_slots(tiny_checkpoint, tokenizer):
+    b = _backend(tiny_checkpoint, tokenizer, batch_size=64)
+    b.prefill(list(range(64)), [[i + 1] for i in range(64)], [GREEDY] * 64)
+    assert len(b.decode(list(range(64)))) == 64
+
+
+# -- tokens ------------------------------------------------------------------------------
+def test_tokens_are_plain_words_never_special_or_eos(tiny_checkpoint, tokenizer):
+    b = _backend(tiny_checkpoint, tokenizer)
+    out = _run(b, 0, tokenizer("Once upon a time")["input_ids"], 64)
+    assert not set(out) & (set(tokenizer.all_special_ids) | b.eos_token_ids)
+    text = tokenizer.decode(out)
+    assert text.startswith(" ") and all(w.isalpha() for w in text.split())
+    assert len(text.split()) == 64  # every token starts a word
+
+
+def test_greedy_is_a_function_of_prompt_and_position(tiny_checkpoint, tokenizer):
+    alone = _run(_backend(tiny_checkpoint, tokenizer), 0, [5, 6, 7], 12)
+    b = _backend(tiny_checkpoint, tokenizer)
+    b.prefill([3], [[9, 9]], [GREEDY])  # another row running, in another slot
+    b.decode([3])
+    got = b.prefill([1], [[5, 6, 7]], [GREEDY])
+    for _ in range(11):
+        got += b.decode([3, 1])[1:]
+    assert got == alone
+    assert _run(_backend(tiny_checkpoint, tokenizer), 0, [5, 6, 8], 12) != alone
+
+
+def test_sampling_follows_the_seed(tiny_checkpoint, tokenizer):
+    b = _backend(tiny_checkpoint, tokenizer)
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    first = _run(b, 0, [5, 6], 16, seeded)
+    assert _run(b, 0, [5, 6], 16, seeded) == first
+    assert _run(b, 0, [5, 6], 16, SamplingParams(temperature=0.8, seed=8)) != first
+    assert _run(b, 0, [5, 6], 16) != first  # greedy is another sequence
+
+
+# -- timing ------------------------------------------------------------------------------
+def test_decode_sleeps_the_step_of_the_compiled_batch(tiny_checkpoint, tokenizer):
+    clock = FakeClock()
+    b = _backend(tiny_checkpoint, tokenizer, clock,
+                 synthetic={"decode_step_ms": 5, "decode_ms_per_row": 0.5})
+    b.prefill([0], [[5]], [GREEDY])
+    clock.slept.clear()
+    b.decode([0])  # one live row in a compiled batch of 4: the whole batch's step
+    assert clock.slept == [pytest.approx(0.0065)]
+
+
+def test_sleep_ends_at_a_deadline_from_the_call_start(tiny_checkpoint, tokenizer):
+    clock = FakeClock()
+    b = _backend(tiny_checkpoint, tokenizer, clock, synthetic={"decode_step_ms": 10})
+    b.prefill([0], [[5]], [GREEDY])
+    clock.slept.clear()
+    clock.work_s = 0.002  # host work inside the call is hidden behind the device time
+    b.decode([0])
+    assert clock.slept == [pytest.approx(0.008)]
+    clock.work_s = 0.02  # work longer than the step: no sleep at all
+    b.decode([0])
+    assert clock.slept == [pytest.approx(0.008)]
+
+
+def test_prefill_costs_the_bucket_of_its_longest_prompt(tiny_checkpoint, tokenizer):
+    clock = FakeClock()
+    b = _backend(tiny_checkpoint, tokenizer, clock, synthetic={
+        "decode_step_ms": 5, "context_length_estimate": [16, 64, 128], "prefill_ms": [2, 4, 8]})
+    b.prefill([0, 1], [[5] * 10, [6] * 17], [GREEDY, GREEDY])
+    b.prefill([2], [[7] * 16], [GREEDY])
+    assert clock.slept == [pytest.approx(0.004), pytest.approx(0.002)]
+    assert b.max_prompt_length == 128
+    with pytest.raises(RequestError, match="expected 1 to 128"):
+        b.prefill([3], [[5] * 129], [GREEDY])
+
+
+def test_preset_interpolates_published_figures_and_keys_override_it():
+    cfg = _config({"preset": "llama-2-7b-tp24"}, max_length=1024)
+    t = resolve_timing(cfg.synthetic, cfg.max_length)
+    assert t.decode_s(1) == pytest.approx(0.0065)
+    assert t.decode_s(8) == pytest.approx(0.0121)  # the published batch-8 figure
+    assert t.buckets == (128, 512, 1024)  # buckets past max_length dropped
+    assert t.prefill_ms == PRESETS["llama-2-7b-tp24"].prefill_ms[:3]
+    cfg = _config({"preset": "llama-2-13b-tp24", "decode_ms_per_row": 0,
+                   "context_length_estimate": [256]}, max_length=1024)
+    t = resolve_timing(cfg.synthetic, cfg.max_length)
+    assert (t.decode_s(8), t.buckets) == (pytest.approx(0.0092), (256,))
+    assert t.prefill_ms == (PRESETS["llama-2-13b-tp24"].prefill_ms[1],)  # its 512 bucket
+
+
+def test_without_a_preset_defaults_are_one_bucket_at_one_step():
+    cfg = _config({"decode_step_ms": 10})
+    t = resolve_timing(cfg.synthetic, cfg.max_length)
+    assert (t.decode_s(64), t.buckets, t.prefill_ms) == (pytest.approx(0.01), (256,), (10.0,))
+
+
+# -- config errors -----------------------------------------------------------------------
+@pytest.mark.parametrize("synthetic, message", [
+    ({}, "handler.synthetic.decode_step_ms: required"),
+    ({"preset": "llama-2-70b"}, "handler.synthetic.preset: 'llama-2-70b' is not allowed"),
+    ({"decode_step_ms": -1}, "handler.synthetic.decode_step_ms: -1 is out of range"),
+    ({"decode_step_ms": "fast"}, "handler.synthetic.decode_step_ms: expected float"),
+    ({"decode_step_ms": 5, "prefill_ms": [1, 2]}, "handler.synthetic.prefill_ms: \\[1, 2\\]; "
+                                                  "expected 1 number"),
+    ({"decode_step_ms": 5, "context_length_estimate": [64, 32]},
+     "handler.synthetic.context_length_estimate: \\[64, 32\\]; expected ascending"),
+    ({"decode_step_ms": 5, "context_length_estimate": [512]}, "handler.max_length 256"),
+    ({"step_ms": 5}, "handler.synthetic.step_ms: unknown key"),
+])
+def test_config_errors_name_the_key(synthetic, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(synthetic)
+
+
+def test_synthetic_section_is_ignored_by_other_backends():
+    assert parse_config({"handler": {"backend": "torch", "synthetic": {}}}).handler.backend == \
+        "torch"
+
+
+def test_null_keys_mean_unset():
+    cfg = _config({"preset": "llama-2-7b-tp24", "decode_step_ms": None})
+    assert resolve_timing(cfg.synthetic, 256).decode_step_ms == 6.5
+
+
+def test_timer_slack_of_the_calling_thread_is_tightened():
+    import sys
+    import threading
+
+    from handlers.backends.synthetic_backend import tighten_timer_slack
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("prctl(PR_SET_TIMERSLACK) is Linux only")
+    seen = {}
+
+    def probe():  # a fresh thread, so the test process's own slack is left alone
+        import ctypes
+
+        seen["ok"] = tighten_timer_slack()
+        seen["slack"] = ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK, this thread
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert seen == {"ok": True, "slack": 1000}
+
+
+def test_the_shipped_synthetic_config_validates(capsys):
+    from archive_tools.cli import main
+    from handlers.config import load_config
+
+    path = Path(__file__).resolve().parents[2] / "model_configs" / "synthetic-llama-2-7b.yaml"
+    h = load_config(path).handler
+    assert h.backend == "synthetic" and h.synthetic.preset == "llama-2-7b-tp24"
+    assert resolve_timing(h.synthetic, h.max_length).decode_s(h.batch_size) == \
+        pytest.approx(0.0121)
+    assert main(["validate", str(path)]) == 0
+    assert "backend synthetic: no Neuron checks" in capsys.readouterr().out
