@@ -22,10 +22,13 @@ from dataclasses import dataclass
 
 from handlers.errors import ConfigError
 
-#: where the presets' decode figures come from
-SOURCE = ("transformers-neuronx on inf2.48xlarge, tp_degree 24, per-token latency at batch 1 "
-          "and 8, as published in https://pytorch.org/blog/high-performance-llama/ (Llama 2 on "
-          "Inferentia2 with TorchServe) and quoted in issue 13")
+#: where the presets' figures come from (Neuron 2.18.0, Llama-2 FP16 / BF16 matmuls,
+#: 128-token prompts, sequence length 4096): TPOT and TTFT p50 at batch 1
+#: aws-neuron/aws-neuron-sdk@81ce03ae:about-neuron/benchmarks/inf2/
+#: latency_data_decoder.csv:L12,L14, at batch 8 throughput_data_decoder.csv:L12,L14
+SOURCE = ("transformers-neuronx on inf2.48xlarge, tp_degree 24, Neuron 2.18.0: the Neuron SDK's "
+          "published Inf2 decoder benchmarks (about-neuron/benchmarks/inf2/"
+          "latency_data_decoder.csv and throughput_data_decoder.csv in aws-neuron/aws-neuron-sdk)")
 
 
 @dataclass(frozen=True)
@@ -33,23 +36,24 @@ class Preset:
     decode_b1_ms: float  # published, batch 1
     decode_b8_ms: float  # published, batch 8
     buckets: tuple[int, ...]
-    prefill_ms: tuple[float, ...]  # ESTIMATES, see PREFILL_NOTE
+    prefill_ms: tuple[float, ...]  # the 128 bucket published, the rest estimates (below)
 
     @property
     def per_row_ms(self) -> float:
         return (self.decode_b8_ms - self.decode_b1_ms) / 7
 
 
-#: No per-bucket prefill time is published in a form we could read (the optimum-neuron
-#: Inf2 benchmark pages plot time-to-first-token, with no table). The preset prefill
-#: times are ESTIMATES: a context-encoding call at bucket L taken as ~3 decode steps plus
-#: L x 0.08 ms (7B) / 0.12 ms (13B) -- the order of magnitude of those plots' sub-second
-#: TTFTs for 256-768 token prompts. Override `prefill_ms` with measured numbers.
-PREFILL_NOTE = "preset prefill times are estimates (no published per-bucket figures)"
+#: Prefill: the 128-token bucket is the published batch-1 time to first token for a
+#: 128-token prompt (7B 27.6 ms, 13B 25.9 ms; same rows as SOURCE). Larger buckets are
+#: ESTIMATES: 13B interpolated linearly to its published 333.8 ms TTFT for a 4096-token
+#: prompt (latency_data_decoder.csv:L15); 7B, with no longer-prompt row, on a similar
+#: slope. Override `prefill_ms` with measured numbers.
+PREFILL_NOTE = ("preset prefill times: the 128 bucket is published, larger buckets are "
+                "estimates")
 _BUCKETS = (128, 512, 1024, 2048)
 PRESETS: dict[str, Preset] = {
-    "llama-2-7b-tp24": Preset(6.5, 12.1, _BUCKETS, (30.0, 60.0, 100.0, 180.0)),
-    "llama-2-13b-tp24": Preset(9.2, 14.9, _BUCKETS, (45.0, 90.0, 150.0, 270.0)),
+    "llama-2-7b-tp24": Preset(6.5, 12.1, _BUCKETS, (27.6, 60.0, 100.0, 180.0)),
+    "llama-2-13b-tp24": Preset(9.2, 14.9, _BUCKETS, (25.9, 55.7, 95.4, 174.9)),
 }
 
 
