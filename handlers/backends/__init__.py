@@ -20,12 +20,16 @@ def load_backend(config: HandlerConfig, model_dir: Path,
     """Build the configured backend; the checkpoint path is resolved against model_dir.
 
     `cores`: NeuronCores the TorchServe worker already claimed for this process (None:
-    the neuron backend claims its own)."""
+    the Neuron backends claim their own)."""
     checkpoint = (model_dir / config.checkpoint).resolve()
     if config.backend == "neuron":
         from handlers.backends.neuron_backend import NeuronBackend
 
         return NeuronBackend(checkpoint, config, model_dir=model_dir, cores=cores)
+    if config.backend == "nxdi":
+        from handlers.backends.nxdi_backend import NxdiBackend
+
+        return NxdiBackend(checkpoint, config, model_dir=model_dir, cores=cores)
     try:
         from handlers.backends.torch_backend import TorchBackend
     except ImportError as exc:  # a Neuron SDK stack ships transformers 4.x
