@@ -183,7 +183,6 @@ class NeuronBaseForCausalLM(torch.nn.Module):
             sampling.validate_sampling_params(sampling_params, nc.on_device_sampling_config)
         sampling_params = sampling.infer_sampling_params(sampling_params.clone())
         prefill = position_ids.min().item() == 0  # MB:L3591-L3592 and L3681
-        tag = CONTEXT_ENCODING_MODEL_TAG if prefill else TOKEN_GENERATION_MODEL_TAG
         if not self.is_loaded_to_neuron:  # MW:L1317-L1320
             raise RuntimeError("Forward called before load. Run load() or load_state_dict() "
                                "making calling forward")
@@ -244,7 +243,7 @@ class NeuronBaseForCausalLM(torch.nn.Module):
                 self._check_line(line)  # index_put on the line (modules/kvcache/utils.py:L106-L120)
                 # the whole padded bucket is written, pads included (KV:L491-L492)
                 self._kv[line] = {j: (int(t), int(p)) for j, (t, p)
-                                  in enumerate(zip(ids[r].tolist(), pos[r].tolist()))}
+                                  in enumerate(zip(ids[r].tolist(), pos[r].tolist(), strict=True))}
                 # hidden state at the first maximal position id (MB:L1012-L1016): for a
                 # 1-token prompt that is the first pad, position 1
                 at = int(torch.max(pos[r : r + 1], dim=1, keepdim=True).indices)
