@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import ArchiveSpec, build_store, logs, running_server
+from tests.e2e.harness import ArchiveSpec, build_store, logs, post, running_server
 from tests.e2e.test_neuron_e2e import (
+    NEW_TOKENS,
     PROMPTS,
     TORCH_BACKEND,
     _events,
@@ -67,6 +68,9 @@ def test_streams_greedy_text_and_restarts_from_the_cache(tiny_checkpoint,
             assert any(t.strip() for t in first)
             alone, joined = _joined_by_one_token_prompts(server, "tiny-nxdi")
             assert joined == alone
+            one = post(server, "tiny-nxdi", {"prompt": "a", "max_new_tokens": NEW_TOKENS,
+                                             "temperature": 0.0})  # "a" is one token
+            assert one.text == _transformers_text(tiny_checkpoint, "a")
         except AssertionError:
             print(logs(server.run_dir))
             raise
