@@ -67,7 +67,7 @@ def device_bytes_per_core(arch: Arch, h: NxdiHeads, amp: str, batch: int,
                           max_length: int) -> tuple[float, float]:
     """(weights, KV cache) bytes on one NeuronCore: every weight sharded over tp, one KV-cache
     line of max_length positions per batch slot (kv_cache_batch_size = batch_size,
-    models/config.py:L168)."""
+    models/config.py:L167)."""
     b, d = AMP_BYTES[amp], arch.head_dim
     attn = 2 * arch.hidden * h.heads_padded * d + 2 * arch.hidden * h.kv_heads_used * d
     layer = attn + 3 * arch.hidden * arch.intermediate + 2 * arch.hidden

@@ -116,7 +116,7 @@ class _CompileAdapter:
 def prefill_inputs(prompt: list[int], largest_bucket: int) -> tuple[list[int], list[int]]:
     """Token ids and position ids that give the logits after `prompt`'s last token.
 
-    Context encoding pads positions with 1 (models/model_wrapper.py:L754-L760) and takes
+    Context encoding pads positions with 1 (models/model_wrapper.py:L762-L778) and takes
     the hidden state at the first maximal position id (models/model_base.py:L1012-L1016).
     For one token that is the first pad, not the prompt: its logits would be those after
     [token, pad]. So a 1-token prompt is sent as the largest bucket, positions all 0: the

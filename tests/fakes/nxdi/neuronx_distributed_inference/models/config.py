@@ -169,13 +169,13 @@ class InferenceConfig:
         missing = [x for x in self.get_required_attributes() if not hasattr(self, x)]
         assert len(missing) == 0, f"Config must define {missing}"  # L866-L869
 
-    def save(self, model_path):  # L888-L894
+    def save(self, model_path):  # L887-L894
         os.makedirs(model_path, exist_ok=True)
         with open(os.path.join(model_path, CONFIG_FILE), "w", encoding="utf-8") as f:
             f.write(json.dumps(to_dict(self), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def load(cls, model_path, **kwargs):  # L926-L972: neuron_config.json, kwargs override
+    def load(cls, model_path, **kwargs):  # L925-L997: neuron_config.json, kwargs override
         with open(os.path.join(model_path, CONFIG_FILE), encoding="utf-8") as f:
             merged = json.loads(f.read())
         merged.update(kwargs)

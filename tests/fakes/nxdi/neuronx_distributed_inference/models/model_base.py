@@ -182,7 +182,7 @@ class NeuronBaseForCausalLM(torch.nn.Module):
         if self.on_device_sampling:  # MB:L3507-L3510
             sampling.validate_sampling_params(sampling_params, nc.on_device_sampling_config)
         sampling_params = sampling.infer_sampling_params(sampling_params.clone())
-        prefill = position_ids.min().item() == 0  # MB:L3591-L3592 and L3681
+        prefill = position_ids.min().item() == 0  # MB:L3591-L3592, L3677
         if not self.is_loaded_to_neuron:  # MW:L1317-L1320
             raise RuntimeError("Forward called before load. Run load() or load_state_dict() "
                                "making calling forward")
@@ -230,7 +230,7 @@ class NeuronBaseForCausalLM(torch.nn.Module):
                              f"max_context_length ({nc.max_context_length} tokens). To truncate "
                              "inputs, set allow_input_truncation=True.")
         pad_id = getattr(self.config, "pad_token_id", None) or 0
-        ids = torch.nn.functional.pad(ids, (0, pad), value=pad_id)  # pads: pad_token_id, 0, 1
+        ids = torch.nn.functional.pad(ids, (0, pad), value=pad_id)  # pad values: MW:L762-L778
         pos = torch.nn.functional.pad(pos, (0, bucket - pos.shape[1]), value=1)
         out = []
         step = nc.ctx_batch_size
