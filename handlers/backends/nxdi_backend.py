@@ -100,8 +100,13 @@ class _CompileAdapter:
             self.model.load(self._from)
             return
         self._staged = tempfile.mkdtemp(prefix="inf2serve-nxdi-")
-        self.model.compile(self._staged)
-        self.model.load(self._staged)
+        try:
+            self.model.compile(self._staged)
+            self.model.load(self._staged)
+        except BaseException:
+            shutil.rmtree(self._staged, ignore_errors=True)
+            self._staged = None
+            raise
 
     def save(self, directory: str) -> None:
         if self._staged is None:

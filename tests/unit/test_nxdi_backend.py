@@ -250,3 +250,22 @@ def test_a_neuron_config_field_the_sdk_drops_is_refused(tiny_checkpoint, tmp_pat
     monkeypatch.setattr(key, "nxdi_neuron_config", lambda c: {**real(c), "no_such_field": 1})
     with pytest.raises(ConfigError, match="no_such_field"):
         _backend(tiny_checkpoint, tmp_path)
+
+
+def test_a_failed_compile_leaves_no_staging_dir_and_no_entry(tiny_checkpoint, tmp_path,
+                                                             fake_nxdi, monkeypatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("neuronx-cc failed")
+
+    monkeypatch.setattr(NeuronBaseForCausalLM, "compile", fail)
+    with pytest.raises(RuntimeError, match="neuronx-cc failed"):
+        _backend(tiny_checkpoint, tmp_path)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    cache = tmp_path / "cache"
+    assert not cache.exists() or not [p for p in cache.iterdir() if (p / "metadata.json").exists()]
