@@ -276,6 +276,10 @@ def _check_nxdi(h: HandlerConfig) -> None:
         raise ConfigError(f"handler.nxdi.token_generation_buckets: {bad} must be integers in "
                           f"[1, handler.max_length {h.max_length}] (NeuronConfig asserts the "
                           "largest <= max_length)")
+    if x.token_generation_buckets and not bad and max(x.token_generation_buckets) != h.max_length:
+        raise ConfigError(f"handler.nxdi.token_generation_buckets: the largest, "
+                          f"{max(x.token_generation_buckets)}, must be handler.max_length "
+                          f"{h.max_length}: a decode at a position past the largest bucket fails")
     if x.max_context_length > h.max_length:
         raise ConfigError(f"handler.nxdi.max_context_length: {x.max_context_length} exceeds "
                           f"handler.max_length {h.max_length}")

@@ -225,6 +225,9 @@ def test_config_rules(tmp_path) -> None:
         parse_config({"handler": {"backend": "nxdi", "batching": "micro"}})
     with pytest.raises(ConfigError, match="token_generation_buckets"):
         _config(tmp_path, nxdi={"token_generation_buckets": [64, 256]})
+    with pytest.raises(ConfigError, match="the largest, 64, must be handler.max_length 128"):
+        _config(tmp_path, nxdi={"token_generation_buckets": [32, 64]})
+    assert _config(tmp_path, nxdi={"token_generation_buckets": [128, 64]}).nxdi
     with pytest.raises(ConfigError, match="max_context_length"):
         _config(tmp_path, nxdi={"max_context_length": 32}, context_length_estimate=[16, 64])
 
