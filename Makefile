@@ -33,7 +33,7 @@ NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
 	tests/unit/test_cli_compile.py tests/unit/test_cli_inspect.py tests/unit/test_cli_package.py \
 	tests/unit/test_validate_cmd.py tests/unit/test_config.py tests/unit/test_scheduler.py \
 	tests/unit/test_engine.py tests/unit/test_request.py tests/unit/test_detokenize.py \
-	tests/unit/test_openai_api.py tests/unit/test_engine_client.py \
+	tests/unit/test_openai_api.py tests/unit/test_engine_client.py tests/unit/test_nxdi_*.py \
 	tests/unit/test_synthetic_backend.py tests/e2e/test_synthetic_e2e.py \
 	tests/e2e/test_neuron_e2e.py tests/e2e/test_worker_death_e2e.py
 

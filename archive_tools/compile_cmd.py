@@ -20,8 +20,13 @@ INSTALL_HINT = ("run it on an Inf2/Trn1 instance with the Neuron SDK: pip instal
                 "'inf2serve[neuron]' --extra-index-url https://pip.repos.neuron.amazonaws.com")
 
 
-def neuron_available() -> bool:
-    return importlib.util.find_spec("transformers_neuronx") is not None
+#: the SDK library each Neuron backend compiles with
+SDK_PACKAGES = {"neuron": ("transformers_neuronx", "transformers-neuronx"),
+                "nxdi": ("neuronx_distributed_inference", "neuronx-distributed-inference")}
+
+
+def neuron_available(backend: str = "neuron") -> bool:
+    return importlib.util.find_spec(SDK_PACKAGES[backend][0]) is not None
 
 
 def load_archive_dir(archive: Path) -> ModelConfig:
@@ -36,17 +41,17 @@ def load_archive_dir(archive: Path) -> ModelConfig:
         raise Inf2ServeError(f"ARCHIVE_DIR {archive}: no MAR-INF/MANIFEST.json; pass a folder "
                              "written by `inf2serve package --format no-archive`")
     config = load_config(archive / "model-config.yaml")
-    if config.handler.backend != "neuron":
+    if config.handler.backend not in SDK_PACKAGES:
         raise Inf2ServeError(f"{archive / 'model-config.yaml'}: handler.backend is "
-                             f"{config.handler.backend!r}; only the neuron backend is compiled "
-                             "(set handler.backend: neuron and repackage)")
+                             f"{config.handler.backend!r}; only the Neuron backends (neuron, "
+                             "nxdi) are compiled (set handler.backend and repackage)")
     return config
 
 
 def compile_archive(archive: Path, config: ModelConfig) -> str:
     """Compile (or find) the archive's model in its cache; returns a one-line summary.
 
-    Goes through the neuron backend so the cache key is the one workers compute.
+    Goes through the archive's backend so the cache key is the one workers compute.
     """
     from handlers.backends import load_backend
 
@@ -66,14 +71,14 @@ def _run(args: argparse.Namespace) -> int:
     config = load_archive_dir(archive)
     n, h = config.handler.neuron, config.handler
     cache = archive / n.cache_dir
-    print(f"compile {archive}: tp_degree={n.tp_degree} batch_size={h.batch_size} "
+    print(f"compile {archive} ({h.backend}): tp_degree={n.tp_degree} batch_size={h.batch_size} "
           f"n_positions={h.max_length} amp={n.amp} -> {cache}")
     if args.dry_run:
         print("dry run: nothing compiled")
         return 0
-    if not neuron_available():
-        raise NeuronUnavailableError(f"transformers-neuronx is not installed here, so nothing "
-                                     f"can be compiled; {INSTALL_HINT}")
+    if not neuron_available(h.backend):
+        raise NeuronUnavailableError(f"{SDK_PACKAGES[h.backend][1]} is not installed here, so "
+                                     f"nothing can be compiled; {INSTALL_HINT}")
     start = time.monotonic()
     summary = compile_archive(archive, config)
     print(f"{summary} in {time.monotonic() - start:.0f}s; cache entries: "

@@ -89,7 +89,7 @@ def kserve_properties(name: str, archive: str, cfg: dict) -> str:
 
 
 def next_steps(target: str, name: str, out: Path, cfg: dict) -> str:
-    neuron = cfg["handler"]["backend"] == "neuron"
+    neuron = cfg["handler"]["backend"] in ("neuron", "nxdi")
     if target == "sagemaker":
         return f"""next:
   aws s3 sync {out} s3://BUCKET/{name}/

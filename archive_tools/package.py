@@ -47,6 +47,7 @@ from handlers.errors import Inf2ServeError
 FORMATS = {"mar": ".mar", "tgz": ".tar.gz", "zip-store": ".mar", "no-archive": ""}
 RUNTIME_PACKAGES = ("handlers", "neuron_cache")
 ENTRY_FILE = Path(__file__).resolve().parent / "data" / "handler_entry.py"
+NEURON_BACKENDS = ("neuron", "nxdi")  # the Neuron SDK brings torch and transformers
 PINNED = ("transformers", "tokenizers", "safetensors", "pyyaml")  # torch backend, as built
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")  # torch-model-archiver's rule
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
@@ -128,11 +129,12 @@ def requirements_txt(config: ModelConfig) -> str:
     (pyyaml, jinja2, torch, transformers, ...), and a transformers installed there would
     shadow the one transformers-neuronx was built against.
     """
-    if config.handler.backend == "neuron":
-        return ("# neuron backend: nothing to install. torch, transformers, tokenizers, "
-                "torch-neuronx,\n# transformers-neuronx and neuronx-cc come from the Neuron "
-                "DLAMI/DLC (or pip.repos.neuron.amazonaws.com)\n# and must not be replaced: "
-                "TorchServe installs this file with `pip install -U -t MODEL_DIR`.\n")
+    if config.handler.backend in NEURON_BACKENDS:
+        return (f"# {config.handler.backend} backend: nothing to install. torch, transformers, "
+                "tokenizers, torch-neuronx,\n# transformers-neuronx or neuronx-distributed"
+                "(-inference) and neuronx-cc come from the Neuron\n# DLAMI/DLC (or "
+                "pip.repos.neuron.amazonaws.com) and must not be replaced: TorchServe\n# "
+                "installs this file with `pip install -U -t MODEL_DIR`.\n")
     lines = ["# runtime dependencies of this archive (TorchServe and torch come with the image)"]
     for dist in PINNED:
         try:
@@ -192,7 +194,7 @@ def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_d
     for pkg in RUNTIME_PACKAGES:
         pkg_dir = _package_dir(pkg)
         if pkg_dir is None:
-            if pkg == "handlers" or config.handler.backend == "neuron":
+            if pkg == "handlers" or config.handler.backend in NEURON_BACKENDS:
                 raise Inf2ServeError(f"runtime package {pkg!r} not found; reinstall inf2serve "
                                      "(pip install -e .)")
             continue

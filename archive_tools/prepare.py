@@ -144,9 +144,9 @@ def _write_meta(src: Path, out: Path, amp: str | None) -> None:
 
 
 def amp_from_config(config_path: Path) -> str:
-    """The amp a model-config.yaml asks for: neuron.amp, or handler.dtype for torch."""
+    """The amp a model-config.yaml asks for: neuron.amp (neuron, nxdi), or handler.dtype."""
     cfg = load_config(config_path)
-    if cfg.handler.backend == "neuron":
+    if cfg.handler.backend in ("neuron", "nxdi"):
         return cfg.handler.neuron.amp
     return DTYPE_TO_AMP[cfg.handler.dtype]
 

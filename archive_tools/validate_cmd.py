@@ -43,6 +43,9 @@ ARCHITECTURES = {  # published Llama-2 configs (config.json of the meta-llama ch
     "llama-2-7b": Arch(32, 4096, 32, 32, 32000, 11008, 4096),
     "llama-2-13b": Arch(40, 5120, 40, 40, 32000, 13824, 4096),
     "llama-2-70b": Arch(80, 8192, 64, 8, 32000, 28672, 4096),
+    # meta-llama/Llama-3.1-8B and -70B config.json (rope_theta 500000, llama3 rope scaling)
+    "llama-3.1-8b": Arch(32, 4096, 32, 8, 128256, 14336, 131072, "bfloat16"),
+    "llama-3.1-70b": Arch(80, 8192, 64, 8, 128256, 28672, 131072, "bfloat16"),
 }
 CORE_MEMORY = 16 * 2**30  # bytes of device memory per NeuronCore (32 GiB per chip)
 HEADROOM = 0.15  # runtime, scratchpad, collectives and I/O buffers
@@ -244,7 +247,7 @@ def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
              label: str = "the model", weights: Weights | None = None) -> Report:
     """Every problem found (empty = fits), warnings with numbers, and what was not checked."""
     h, report = cfg.handler, Report()
-    if h.backend != "neuron":
+    if h.backend not in ("neuron", "nxdi"):
         report.notes.append(f"backend {h.backend}: no Neuron checks")
         return report
     n = h.neuron
@@ -253,6 +256,8 @@ def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"--instance {instance!r}: unknown{hint} (known: "
                           f"{', '.join(INSTANCES)})")
+    if h.backend == "nxdi":
+        return validate_nxdi(cfg, arch, instance, label)
     if cfg.frontend.device_type != "neuron":
         report.notes.append(f"deviceType is {cfg.frontend.device_type!r}; 'neuron' is usual for "
                             "the neuron backend")
@@ -289,6 +294,64 @@ def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
                                "(detect)")
     if arch is not None and not arch.heads % arch.kv_heads:
         _merge(report, check_host_memory(cfg, arch, instance, weights or Weights()))
+    return report
+
+
+def validate_nxdi(cfg: ModelConfig, arch: Arch | None, instance: str | None,
+                  label: str) -> Report:
+    """The NxD Inference rules: buckets (checked by load_config), tp, heads, device and host
+    memory (archive_tools.nxdi_sizing)."""
+    from archive_tools import nxdi_sizing as nx
+    from neuron_cache.key import nxdi_buckets
+
+    h, n, report = cfg.handler, cfg.handler.neuron, Report()
+    ctx, tkg, top = nxdi_buckets(h)
+    report.notes.append(f"nxdi: prefill buckets {_join(ctx)} (max_context_length {top}), decode "
+                        f"buckets {_join(tkg)}, batch {h.batch_size} (one context row per call)")
+    if cfg.frontend.device_type != "neuron":
+        report.notes.append(f"deviceType is {cfg.frontend.device_type!r}; 'neuron' is usual")
+    _merge(report, check_tp(n.tp_degree, instance))
+    if arch is None:
+        report.notes.append("no architecture: pass --checkpoint/--model-json or set "
+                            "handler.neuron.architecture to check heads and memory")
+        return report
+    if arch.heads % arch.kv_heads:
+        report.problems.append(f"config.json: num_attention_heads {arch.heads} is not a multiple "
+                               f"of num_key_value_heads {arch.kv_heads}; not a Llama model")
+        return report
+    if arch.max_positions and h.max_length > arch.max_positions:
+        report.problems.append(f"max_length {h.max_length} exceeds the model's "
+                               f"max_position_embeddings {arch.max_positions}")
+    heads = nx.nxdi_heads(arch, n.tp_degree)
+    report.warnings += nx.head_warnings(heads)
+    weights, kv = nx.device_bytes_per_core(arch, heads, n.amp, h.batch_size, h.max_length)
+    usable = nx.CORE_MEMORY * (1 - nx.HEADROOM)
+    if weights + kv > usable:
+        report.problems.append(
+            f"device memory (estimate): {label} needs {(weights + kv) / GB:.1f} GB per NeuronCore "
+            f"at tp_degree {n.tp_degree} (weights {weights / GB:.1f} GB at {n.amp} + KV cache "
+            f"{kv / GB:.1f} GB for batch {h.batch_size} x {h.max_length} positions), but a core "
+            f"has {usable / GB:.1f} GB available; raise tp_degree or lower batch_size / "
+            "max_length")
+    if not instance:
+        report.notes.append("no --instance: cores and host memory not checked")
+        return report
+    where, fe = INSTANCES[instance], cfg.frontend
+    need = fe.max_workers * n.tp_degree
+    if n.tp_degree <= where.cores < need:
+        report.problems.append(f"NeuronCores: maxWorkers {fe.max_workers} x tp_degree "
+                               f"{n.tp_degree} = {need} cores, but {instance} has {where.cores}")
+    if n.cores_per_instance and n.cores_per_instance != where.cores:
+        report.problems.append(f"handler.neuron.cores_per_instance {n.cores_per_instance} != "
+                               f"{where.cores} cores of {instance}; set it to {where.cores} or 0")
+    load = nx.host_load_gib(arch, n.amp, fe.max_workers)
+    report.notes.append(f"host memory (estimate): loading {load:.1f} GiB of {where.host_gib} GiB "
+                        "(weights sharded on the host at every start); compile memory of NxD's "
+                        "ModelBuilder is not estimated")
+    if load > where.host_gib:
+        report.warnings.append(f"host memory (estimate): {fe.max_workers} worker(s) loading "
+                               f"{label} need about {load:.1f} GiB but {instance} has "
+                               f"{where.host_gib} GiB; use a larger instance or fewer workers")
     return report
 
 

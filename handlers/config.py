@@ -85,10 +85,30 @@ class SyntheticSettings:
 
 
 @dataclass(frozen=True)
+class NxdiSettings:
+    """NxD Inference settings; only read when backend is nxdi. tp_degree, amp, prefill
+    buckets (context_length_estimate), compiler_flags, the compile cache and NeuronCore
+    allocation come from `handler.neuron`, which means the same for both backends."""
+
+    model_class: str = _opt("models.llama.modeling_llama.NeuronLlamaForCausalLM",
+                            doc="class under neuronx_distributed_inference")
+    token_generation_buckets: list = _opt([], doc="KV-length buckets of decode; empty = "
+                                                  "max_length")
+    max_context_length: int = _opt(0, lo=0, doc="longest prompt compiled; 0 = the largest "
+                                                "prefill bucket (or max_length)")
+    on_device_sampling: bool = _opt(False, doc="sample on the device (per-request top-k/top-p/"
+                                               "temperature); requests with a seed or "
+                                               "min_new_tokens are refused")
+    global_topk: int = _opt(256, lo=1, doc="on-device sampling draws from this many best tokens")
+    fused_qkv: bool = _opt(False)
+    sequence_parallel_enabled: bool = _opt(False)
+
+
+@dataclass(frozen=True)
 class HandlerConfig:
     """The `handler:` section: what the toolkit itself reads."""
 
-    backend: str = _opt("torch", choices=("torch", "neuron", "synthetic"),
+    backend: str = _opt("torch", choices=("torch", "neuron", "nxdi", "synthetic"),
                         doc="synthetic: no model, a device that sleeps (host-efficiency "
                             "benchmarks; never a hardware result)")
     checkpoint: str = _opt("model", doc="checkpoint directory, relative to the model dir")
@@ -118,6 +138,7 @@ class HandlerConfig:
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     neuron: NeuronSettings = field(default_factory=NeuronSettings)
     synthetic: SyntheticSettings = field(default_factory=SyntheticSettings)
+    nxdi: NxdiSettings = field(default_factory=NxdiSettings)
 
     @property
     def effective_micro_batch_size(self) -> int:
@@ -251,6 +272,8 @@ def _cross_check(cfg: ModelConfig) -> None:
         raise ConfigError("handler.neuron.compiler_flags: expected a list of strings")
     if h.backend == "synthetic":
         resolve_timing(h.synthetic, h.max_length)  # raises ConfigError naming the key
+    if h.backend == "nxdi":
+        _check_nxdi(h)
     if not fe.async_communication:
         raise ConfigError(
             "asyncCommunication: must be true; the handler streams every request on its own and "
@@ -267,6 +290,32 @@ def _cross_check(cfg: ModelConfig) -> None:
             "frontend batches larger than 1")
     if fe.min_workers > fe.max_workers:
         raise ConfigError(f"minWorkers: {fe.min_workers} exceeds maxWorkers {fe.max_workers}")
+
+
+def _check_nxdi(h: HandlerConfig) -> None:
+    x = h.nxdi
+    if h.batching != "continuous":
+        raise ConfigError(f"handler.batching: {h.batching!r} with backend nxdi; NxD Inference "
+                          "runs continuous batching only (one KV-cache line per sequence)")
+    bad = [b for b in x.token_generation_buckets
+           if isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= h.max_length]
+    if bad:
+        raise ConfigError(f"handler.nxdi.token_generation_buckets: {bad} must be integers in "
+                          f"[1, handler.max_length {h.max_length}] (NeuronConfig asserts the "
+                          "largest <= max_length)")
+    if x.token_generation_buckets and not bad and max(x.token_generation_buckets) != h.max_length:
+        raise ConfigError(f"handler.nxdi.token_generation_buckets: the largest, "
+                          f"{max(x.token_generation_buckets)}, must be handler.max_length "
+                          f"{h.max_length}: a decode at a position past the largest bucket fails")
+    if x.max_context_length > h.max_length:
+        raise ConfigError(f"handler.nxdi.max_context_length: {x.max_context_length} exceeds "
+                          f"handler.max_length {h.max_length}")
+    top = x.max_context_length or h.max_length
+    over = [b for b in h.neuron.context_length_estimate if isinstance(b, int) and b > top]
+    if over:
+        raise ConfigError(f"handler.neuron.context_length_estimate: {over} exceed "
+                          f"handler.nxdi.max_context_length {top}; NeuronConfig asserts every "
+                          "prefill bucket <= max_context_length")
 
 
 def parse_config(data: dict[str, Any] | None) -> ModelConfig:

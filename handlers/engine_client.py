@@ -86,10 +86,11 @@ class EngineClient:
     @classmethod
     def start(cls, config: ModelConfig, model_dir: Path, observer: Observer | None = None,
               make_backend: Callable[[], Backend | None] | None = None) -> EngineClient:
-        """Claim NeuronCores (neuron backend), start the engine process and wait until the
+        """Claim NeuronCores (the Neuron backends), start the engine process and wait until the
         model is loaded; a load error is raised here, as the engine process raised it."""
         h = config.handler
-        claim = claim_cores(h.neuron, available_cores(h.neuron)) if h.backend == "neuron" else None
+        neuron = h.backend in ("neuron", "nxdi")
+        claim = claim_cores(h.neuron, available_cores(h.neuron)) if neuron else None
         spec = EngineSpec(config, model_dir, claim.cores if claim else None, make_backend,
                           log_level=logging.getLogger().getEffectiveLevel())
         try:

@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 #: compiles the graphs, the saved artefacts are raw NEFF bytes (base.py:L768-773), and each
 #: torch-neuronx build pins one torch, whose version leads its own (2.1.2.2.4.0 is torch 2.1.2).
 SDK_DISTRIBUTIONS = ("neuronx-cc", "libneuronxla", "transformers-neuronx", "torch-neuronx")
+#: the same for NxD Inference: it traces with neuronx-distributed's ModelBuilder on
+#: torch-neuronx and compiles with neuronx-cc (backend: nxdi)
+NXDI_SDK_DISTRIBUTIONS = ("neuronx-cc", "libneuronxla", "torch-neuronx", "neuronx-distributed",
+                          "neuronx-distributed-inference")
+NXDI_CLASS_PREFIX = "nxdi:"
+AMP_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 ABSENT = "absent"
 #: config.json fields that do not change the compiled graph
 IGNORED_CONFIG_FIELDS = frozenset({
@@ -41,10 +47,10 @@ IGNORED_CONFIG_FIELDS = frozenset({
 BUILD_FIELDS = ("sdk", "compiler_flags")
 
 
-def sdk_versions() -> dict[str, str]:
+def sdk_versions(dists: tuple[str, ...] = SDK_DISTRIBUTIONS) -> dict[str, str]:
     """Installed Neuron SDK versions; "absent" for a distribution that is not installed."""
     out = {}
-    for dist in SDK_DISTRIBUTIONS:
+    for dist in dists:
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -114,8 +120,10 @@ class KeyInputs:
         model = "-".join(str(p) for p in (c.get("model_type", "model"),
                                           f"l{c.get('num_hidden_layers', '?')}",
                                           f"h{c.get('hidden_size', '?')}"))
-        cb = "-cb" if self.neuron_config.get("continuous_batching") else ""
-        return (f"{model}-tp{self.tp_degree}-b{self.batch_size}-n{self.n_positions}-{self.amp}"
+        nc = self.neuron_config
+        cb = "-cb" if nc.get("continuous_batching") or nc.get("is_continuous_batching") else ""
+        lib = "nxdi-" if self.model_class.startswith(NXDI_CLASS_PREFIX) else ""
+        return (f"{lib}{model}-tp{self.tp_degree}-b{self.batch_size}-n{self.n_positions}-{self.amp}"
                 f"{cb}-{self.digest[:12]}")
 
 
@@ -137,10 +145,54 @@ def context_buckets(config: HandlerConfig) -> list[int]:
     return sorted(int(x) for x in config.neuron.context_length_estimate) or [config.max_length]
 
 
+def nxdi_buckets(config: HandlerConfig) -> tuple[list[int], list[int], int]:
+    """(prefill buckets, decode buckets, max_context_length) of an nxdi config."""
+    top = config.nxdi.max_context_length or max(
+        [config.max_length] if not config.neuron.context_length_estimate
+        else config.neuron.context_length_estimate)
+    ctx = sorted(int(x) for x in config.neuron.context_length_estimate) or [top]
+    tkg = sorted(int(x) for x in config.nxdi.token_generation_buckets) or [config.max_length]
+    return ctx, tkg, top
+
+
+def nxdi_neuron_config(config: HandlerConfig) -> dict[str, Any]:
+    """The keyword arguments of NxD Inference's NeuronConfig: every one changes the graphs.
+
+    Continuous batching as vLLM's NxDI plugin runs it: one context row per call
+    (ctx_batch_size=1), every slot a KV-cache line addressed by seq_id
+    (vllm-project/vllm-neuron@a5ef7c8:vllm_neuron/worker/neuronx_distributed_model_loader.py:
+    L751-L783). Buckets are always explicit, so the key names every compiled shape.
+    """
+    x, n = config.nxdi, config.neuron
+    ctx, tkg, top = nxdi_buckets(config)
+    sampling = None
+    if x.on_device_sampling:
+        sampling = {"dynamic": True, "do_sample": True, "deterministic": False,
+                    "global_topk": x.global_topk}
+    return {
+        "batch_size": config.batch_size, "ctx_batch_size": 1, "tkg_batch_size": config.batch_size,
+        "is_continuous_batching": True, "seq_len": config.max_length, "max_context_length": top,
+        "torch_dtype": AMP_DTYPES[n.amp], "tp_degree": n.tp_degree, "padding_side": "right",
+        "enable_bucketing": True, "context_encoding_buckets": ctx,
+        "token_generation_buckets": tkg, "on_device_sampling_config": sampling,
+        "fused_qkv": x.fused_qkv, "sequence_parallel_enabled": x.sequence_parallel_enabled,
+        "logical_nc_config": 1,  # Inf2 and Trn1 have one physical core per logical core
+    }
+
+
 def key_inputs(config: HandlerConfig, model_config: dict[str, Any],
                sdk: dict[str, str] | None = None) -> KeyInputs:
     """The key of the model `config` describes, for a checkpoint with `model_config`."""
     n = config.neuron
+    if config.backend == "nxdi":
+        return KeyInputs(
+            model_config=graph_config(model_config),
+            model_class=NXDI_CLASS_PREFIX + config.nxdi.model_class, tp_degree=n.tp_degree,
+            amp=n.amp, batch_size=config.batch_size, n_positions=config.max_length,
+            context_length_estimate=nxdi_buckets(config)[0],
+            neuron_config=nxdi_neuron_config(config),
+            compiler_flags=[str(f) for f in n.compiler_flags],
+            sdk=sdk_versions(NXDI_SDK_DISTRIBUTIONS) if sdk is None else dict(sdk))
     return KeyInputs(
         model_config=graph_config(model_config), model_class=n.model_class_name,
         tp_degree=n.tp_degree, amp=n.amp, batch_size=config.batch_size,

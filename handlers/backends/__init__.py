@@ -20,7 +20,7 @@ def load_backend(config: HandlerConfig, model_dir: Path,
     """Build the configured backend; the checkpoint path is resolved against model_dir.
 
     `cores`: NeuronCores the TorchServe worker already claimed for this process (None:
-    the neuron backend claims its own)."""
+    the Neuron backends claim their own)."""
     checkpoint = (model_dir / config.checkpoint).resolve()
     if config.backend == "neuron":
         from handlers.backends.neuron_backend import NeuronBackend
@@ -30,6 +30,10 @@ def load_backend(config: HandlerConfig, model_dir: Path,
         from handlers.backends.synthetic_backend import SyntheticBackend
 
         return SyntheticBackend(checkpoint, config)
+    if config.backend == "nxdi":
+        from handlers.backends.nxdi_backend import NxdiBackend
+
+        return NxdiBackend(checkpoint, config, model_dir=model_dir, cores=cores)
     try:
         from handlers.backends.torch_backend import TorchBackend
     except ImportError as exc:  # a Neuron SDK stack ships transformers 4.x

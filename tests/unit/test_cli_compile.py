@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_without_neuron_says_so_with_remedy(neuron_archive: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(compile_cmd, "neuron_available", lambda: False)
+    monkeypatch.setattr(compile_cmd, "neuron_available", lambda *backend: False)
     code, _, err = run(capsys, "compile", str(neuron_archive))
     assert code == 2 and err.count("\n") == 1
     assert "transformers-neuronx is not installed" in err and "pip install" in err
@@ -51,7 +52,7 @@ def test_dry_run_needs_no_sdk(neuron_archive: Path, capsys) -> None:
 
 def test_with_neuron_goes_through_the_backend(neuron_archive: Path, capsys, monkeypatch) -> None:
     calls = []
-    monkeypatch.setattr(compile_cmd, "neuron_available", lambda: True)
+    monkeypatch.setattr(compile_cmd, "neuron_available", lambda *backend: True)
     monkeypatch.setattr(compile_cmd, "compile_archive",
                         lambda archive, config: calls.append((archive, config)) or "compiled x")
     code, out, _ = run(capsys, "compile", str(neuron_archive))
@@ -76,3 +77,42 @@ def test_bad_input_is_one_line_exit_2(tiny_checkpoint: Path, tmp_path: Path, cap
         path = package(CONFIG, tiny_checkpoint, "tiny", "no-archive", tmp_path / "store")
     code, _, err = run(capsys, "compile", str(path))
     assert code == 2 and err.startswith("error: ") and expected in err and err.count("\n") == 1
+
+
+NXDI = Path(__file__).resolve().parents[1] / "fakes" / "nxdi"
+
+
+def test_nxdi_archive_compiles_once_then_cache_and_inspect_see_it(
+        tiny_checkpoint: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """On the NxD Inference fake: compile, compile again (cached), cache ls/verify, inspect."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(NXDI))
+    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_DEVICE_DIR", str(tmp_path / "device"))
+    for var in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_CC_FLAGS",
+                "NEURON_COMPILE_CACHE_URL"):
+        monkeypatch.setenv(var, "")
+    cfg = tmp_path / "nxdi.yaml"
+    cfg.write_text(CONFIG.read_text().replace("backend: torch", "backend: nxdi")
+                   .replace("deviceType: cpu", "deviceType: neuron")
+                   + f"  neuron:\n    cores_per_instance: 2\n    amp: f32\n"
+                     f"    core_lock_dir: {tmp_path / 'locks'}\n")
+    archive = package(cfg, tiny_checkpoint, "tiny-nxdi", "no-archive", tmp_path / "store")
+    try:
+        code, out, err = run(capsys, "compile", str(archive))
+        assert code == 0, err
+        assert "(nxdi)" in out and "compiled nxdi-llama-" in out
+        code, out, _ = run(capsys, "compile", str(archive))
+        assert code == 0 and "already cached: nxdi-llama-" in out
+        cache = str(archive / "neuron_cache")
+        code, out, _ = run(capsys, "cache", "ls", "--cache-dir", cache)
+        assert code == 0 and "nxdi-llama-" in out
+        code, out, _ = run(capsys, "cache", "verify", "--cache-dir", cache)
+        assert code == 0
+        code, out, _ = run(capsys, "inspect", str(archive), "--json")
+        (entry,) = json.loads(out)["cache"]
+        assert code == 0 and entry["entry"].startswith("nxdi-llama-")
+        assert entry["sdk"]["neuronx-distributed-inference"] == "0.8.16251"
+    finally:
+        for name in [m for m in sys.modules if m.startswith("neuronx_distributed_inference")]:
+            del sys.modules[name]

@@ -52,6 +52,15 @@ def test_base_and_neuron_requirements_admit_the_sdk_versions(sdk: dict) -> None:
             assert req.specifier.contains(sdk[_norm(req.name)]), str(req)
 
 
+@pytest.mark.parametrize("transformers", ["4.48.3", "4.57.6"])
+def test_the_nxdi_extra_admits_the_sdk_transformers_and_keeps_4(transformers: str) -> None:
+    """NxD Inference 0.3.5591 (SDK 2.23) pins transformers 4.48, 0.8.16251 (SDK 2.28) 4.57."""
+    specs = [Requirement(r) for r in _project()["optional-dependencies"]["nxdi"]]
+    pin = next(r for r in specs if r.name == "transformers")
+    assert pin.specifier.contains(transformers) and not pin.specifier.contains("5.0.0")
+    assert {_norm(r.name) for r in specs} >= {"neuronx-distributed-inference", "torch-neuronx"}
+
+
 def test_the_neuron_extra_keeps_transformers_4() -> None:
     specs = [Requirement(r) for r in _project()["optional-dependencies"]["neuron"]]
     transformers = next(r for r in specs if r.name == "transformers")

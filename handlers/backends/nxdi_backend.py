@@ -1,0 +1,265 @@
+"""NxD Inference (neuronx-distributed-inference) on Inferentia2, behind the same contract.
+
+The Inf2 path of the Neuron SDKs without transformers-neuronx (2.26 on); NxD Inference
+supports Inf2 up to SDK 2.28 (the 2.29 notes drop Inf2/Trn1, aws-neuron/aws-neuron-sdk@
+81ce03ae:about-neuron/whats-new.rst:L281). Start-up, in order: claim tp_degree NeuronCores
+-> apply the Neuron environment -> import the SDK -> NeuronConfig + LlamaInferenceConfig
+-> compile, or load from the versioned compile cache (the compiled graphs only; weights
+are sharded from the checkpoint at every load).
+
+Continuous batching only, as vLLM's NxDI plugin runs it: one context row per call, each
+slot a KV-cache line addressed by its seq_id, decode of every running slot per step with
+seq_ids sorted. Sampling on the host with each request's own parameters, or on the device
+(handler.nxdi.on_device_sampling) with per-row top-k/top-p/temperature.
+Citations: aws-neuron/neuronx-distributed-inference@cd3abf3:src/neuronx_distributed_inference/.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from handlers.backends.base import Backend, SamplingParams
+from handlers.backends.neuron_backend import read_eos_ids
+from handlers.config import HandlerConfig
+from handlers.errors import ConfigError, GenerationError, NeuronUnavailableError, RequestError
+from handlers.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
+from handlers.neuron_env import apply_neuron_env, cache_root, neuron_env
+from neuron_cache.compile import compile_or_load
+from neuron_cache.key import key_inputs, nxdi_buckets, read_model_config
+from neuron_cache.store import CacheStore
+
+log = logging.getLogger(__name__)
+PACKAGE = "neuronx_distributed_inference"
+INSTALL = ("install NxD Inference from the AWS Neuron repository on an Inf2 host with SDK "
+           "2.23-2.28: pip install 'neuronx-distributed-inference==0.8.*' --extra-index-url "
+           "https://pip.repos.neuron.amazonaws.com (see README, 'Neuron SDKs'), or use "
+           "handler.backend: torch")
+
+
+def resolve_model_class(name: str) -> type:
+    """"models.llama.modeling_llama.NeuronLlamaForCausalLM" -> the class in the SDK."""
+    try:
+        importlib.import_module(PACKAGE)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in (PACKAGE, "neuronx_distributed", "torch_neuronx"):
+            raise NeuronUnavailableError(f"handler.backend is nxdi but {exc.name} is not "
+                                         f"installed; {INSTALL}") from exc
+        raise
+    module_name, _, cls_name = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(f"{PACKAGE}.{module_name}"), cls_name)
+    except (ModuleNotFoundError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"handler.nxdi.model_class: {name!r} is not a class of {PACKAGE}; "
+                          "expected e.g. 'models.llama.modeling_llama.NeuronLlamaForCausalLM'"
+                          ) from exc
+
+
+def build_neuron_config(spec: dict[str, Any]) -> Any:
+    """NeuronConfig from our plain-data spec (neuron_cache.key.nxdi_neuron_config).
+
+    NeuronConfig logs and drops keywords it does not know (models/config.py:L604-L605), so a
+    renamed field would compile another model silently: every one we pass must come back.
+    """
+    from neuronx_distributed_inference.models.config import NeuronConfig, OnDeviceSamplingConfig
+
+    kwargs = dict(spec)
+    sampling = kwargs.pop("on_device_sampling_config")
+    nc = NeuronConfig(**kwargs, on_device_sampling_config=(
+        OnDeviceSamplingConfig(**sampling) if sampling else None))
+    lost = sorted(k for k in kwargs if not hasattr(nc, k))
+    if lost:
+        raise ConfigError(f"this neuronx-distributed-inference's NeuronConfig has no {lost}; "
+                          "use 0.3 (SDK 2.23) to 0.8 (SDK 2.28)")
+    return nc
+
+
+class _CompileAdapter:
+    """NxD Inference's compile(dir)/load(dir) as the load/to_neuron/save neuron_cache drives.
+
+    compile() writes neuron_config.json and model.pt into a directory (application_base.py:
+    L292-L315); we compile into a private one, load from it, and save() copies it into the
+    cache's staging directory, which the store publishes atomically.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._from: str | None = None
+        self._staged: str | None = None
+
+    def load(self, directory: str) -> None:
+        self._from = directory
+
+    def to_neuron(self) -> None:
+        if self._from is not None:
+            self.model.load(self._from)
+            return
+        self._staged = tempfile.mkdtemp(prefix="inf2serve-nxdi-")
+        try:
+            self.model.compile(self._staged)
+            self.model.load(self._staged)
+        except BaseException:
+            shutil.rmtree(self._staged, ignore_errors=True)
+            self._staged = None
+            raise
+
+    def save(self, directory: str) -> None:
+        if self._staged is None:
+            raise GenerationError("nothing compiled to save")
+        try:
+            shutil.copytree(self._staged, directory, dirs_exist_ok=True)
+        finally:
+            shutil.rmtree(self._staged, ignore_errors=True)
+            self._staged = None
+
+
+def prefill_inputs(prompt: list[int], largest_bucket: int) -> tuple[list[int], list[int]]:
+    """Token ids and position ids that give the logits after `prompt`'s last token.
+
+    Context encoding pads positions with 1 (models/model_wrapper.py:L762-L778) and takes
+    the hidden state at the first maximal position id (models/model_base.py:L1012-L1016).
+    For one token that is the first pad, not the prompt: its logits would be those after
+    [token, pad]. So a 1-token prompt is sent as the largest bucket, positions all 0: the
+    bucket is then chosen as the input fills it exactly (model_wrapper.py:L898-L916), no
+    pad is added, and the first maximum is the prompt. The extra rows are pads after the
+    token under a causal mask, and the K/V they leave at positions 1.. are rewritten by
+    each decode step before any token attends to them (attention below the position id).
+    """
+    if len(prompt) == 1:
+        return prompt * largest_bucket, [0] * largest_bucket
+    return prompt, list(range(len(prompt)))
+
+
+def device_sampling_row(p: SamplingParams, global_topk: int) -> list[float]:
+    """(top_k, top_p, temperature) for the on-device sampler (sampling.py:L99-L182)."""
+    if p.seed is not None:
+        raise RequestError("seed", "on-device sampling (handler.nxdi.on_device_sampling) "
+                           "cannot be seeded per request; leave seed out")
+    if p.min_new_tokens:
+        raise RequestError("min_new_tokens", "on-device sampling cannot suppress EOS; leave "
+                           "min_new_tokens out")
+    if p.greedy:
+        return [1.0, 1.0, 1.0]
+    if p.top_k > global_topk:
+        raise RequestError("top_k", f"{p.top_k} exceeds handler.nxdi.global_topk {global_topk}, "
+                           "the most the on-device sampler considers")
+    # top_k 0 ("off") becomes global_topk: 0 means uniform there (sampling.py:L133-L134)
+    return [float(p.top_k or global_topk), float(p.top_p), float(p.temperature)]
+
+
+class NxdiBackend(Backend):
+    def __init__(self, checkpoint: Path, config: HandlerConfig, model_dir: Path,
+                 cores: Sequence[int] | None = None) -> None:
+        n, x = config.neuron, config.nxdi
+        if config.batching != "continuous":
+            raise ConfigError("handler.batching: backend nxdi runs continuous batching only")
+        self.batch_size, self.max_length = config.batch_size, config.max_length
+        ctx, _, _ = nxdi_buckets(config)
+        self.largest_bucket = ctx[-1]
+        # checked at submit, so a too-long prompt is a 400 for that request
+        self.max_prompt_length = min(ctx[-1], config.max_length - 1)
+        self.on_device, self.global_topk = x.on_device_sampling, x.global_topk
+        self._claim = (claim_cores(n, available_cores(n)) if cores is None
+                       else CoreClaim(tuple(cores), lock_path(Path(n.core_lock_dir), cores), None))
+        try:
+            apply_neuron_env(neuron_env(config, self._claim.cores, model_dir))
+            model_config = read_model_config(checkpoint)
+            self.eos_token_ids = read_eos_ids(checkpoint, model_config)
+            model_cls = resolve_model_class(x.model_class)
+            from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
+
+            inputs = key_inputs(config, model_config)
+            neuron_config = build_neuron_config(inputs.neuron_config)
+            inference_config = model_cls.get_config_cls()(
+                neuron_config, load_config=load_pretrained_config(str(checkpoint)))
+            self.model = model_cls(str(checkpoint), inference_config)
+            store = CacheStore(cache_root(config, model_dir))
+            self.start = compile_or_load(store, inputs, _CompileAdapter(self.model),
+                                         n.on_mismatch)
+        except BaseException:
+            self._claim.release()
+            raise
+        # slot -> (length, last token, host sampler or None, the request's parameters)
+        self.rows: dict[int, tuple[int, int, Any, SamplingParams]] = {}
+
+    def _forward(self, ids: list[list[int]], positions: list[list[int]], seq_ids: list[int],
+                 params: list[SamplingParams], samplers: list[Any]) -> list[int]:
+        """One model call; the next token of each row, in row order."""
+        import torch
+
+        rows = [device_sampling_row(p, self.global_topk) if self.on_device else [1.0, 1.0, 1.0]
+                for p in params]
+        with torch.inference_mode():  # logits are inference tensors: sample inside
+            out = self.model.forward(
+                input_ids=torch.tensor(ids, dtype=torch.int64),
+                seq_ids=torch.tensor(seq_ids, dtype=torch.int64),  # [n]
+                position_ids=torch.tensor(positions, dtype=torch.int64),
+                sampling_params=torch.tensor(rows, dtype=torch.float32))  # [n, 3]
+            if self.on_device:  # token ids in place of logits (models/model_base.py:L3851-L3876)
+                return [int(t) for t in out.hidden_states.reshape(-1)]
+            logits = out.logits  # [n, 1, vocab]
+            return [sampler(logits[i, -1]) for i, sampler in enumerate(samplers)]
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                params: Sequence[SamplingParams]) -> list[int]:
+        import torch
+
+        from handlers.sampling import RowSampler
+
+        out = []
+        for slot, prompt, p in zip(slots, prompts, params, strict=True):
+            if slot in self.rows:
+                raise GenerationError(f"prefill into busy slot {slot}; release it first")
+            if not 0 < len(prompt) <= self.max_prompt_length:
+                raise RequestError("prompt", f"{len(prompt)} tokens; expected 1 to "
+                                   f"{self.max_prompt_length} (the largest prefill bucket)")
+            ids, positions = prefill_inputs(list(prompt), self.largest_bucket)
+            sampler = None if self.on_device else RowSampler(p, self.eos_token_ids,
+                                                             torch.device("cpu"))
+            # one context row per call under continuous batching (kv_cache_manager.py:L488-L489)
+            token = self._forward([ids], [positions], [slot], [p], [sampler])[0]
+            self.rows[slot] = (len(prompt), token, sampler, p)
+            out.append(token)
+        return out
+
+    def decode(self, slots: Sequence[int]) -> list[int]:
+        missing = [s for s in slots if s not in self.rows]
+        if missing:
+            raise GenerationError(f"decode of slots {missing} that were never prefilled")
+        idle = sorted(set(self.rows) - set(slots))
+        if idle:  # padding writes row 0 into every line not in the call (model_wrapper.py:L515)
+            raise GenerationError(f"decode must cover every running slot; {idle} are missing and "
+                                  "their KV-cache lines would be overwritten")
+        order = sorted(slots)  # a full batch runs rows as cache lines 0..n-1 (L1342-L1348)
+        rows = [self.rows[s] for s in order]
+        tokens = self._forward([[r[1]] for r in rows], [[r[0]] for r in rows], order,
+                               [r[3] for r in rows], [r[2] for r in rows])
+        by_slot = {}
+        for slot, (length, _, sampler, p), token in zip(order, rows, tokens, strict=True):
+            self.rows[slot] = (length + 1, token, sampler, p)
+            by_slot[slot] = token
+        return [by_slot[s] for s in slots]
+
+    def release(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self.rows.pop(s, None)
+
+    def warmup(self) -> None:
+        """One prefill and one decode on a free slot (load() already ran every graph once)."""
+        if self.rows:
+            return
+        free, eos = 0, min(self.eos_token_ids) if self.eos_token_ids else 0
+        self.prefill([free], [[eos] * min(2, self.max_prompt_length)], [SamplingParams()])
+        self.decode([free])
+        self.release([free])
+
+    def close(self) -> None:
+        try:
+            self.rows.clear()
+        finally:
+            self._claim.release()
