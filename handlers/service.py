@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from handlers.backends import load_backend
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig
-from handlers.engine import Engine, Observer
+from handlers.engine import Engine, Observer, QueueSink
 from handlers.request import GenerationRequest, check_length
 from handlers.scheduler import Event, Scheduler, Sequence
 
@@ -114,26 +114,3 @@ class GenerationService:
             seq.deadline = seq.arrived_at + request.timeout_s
         self.engine.submit(seq)
         return sink.queue
-
-
-class QueueSink:
-    """A request's events onto its asyncio queue, from the engine's thread.
-
-    Each call wakes the event loop (a write to its self-pipe, ~18 us measured); whoever
-    holds many events at once -- a step's worth from the engine process -- hands them
-    over with one `put_all` instead."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> None:
-        self.loop, self.queue = loop, queue
-
-    def __call__(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-    @staticmethod
-    def put_all(loop: asyncio.AbstractEventLoop, items: list[tuple[QueueSink, Event]]) -> None:
-        """Events for sinks of `loop`, delivered in one wake-up of the loop, in order."""
-        def put() -> None:
-            for sink, event in items:
-                sink.queue.put_nowait(event)
-
-        loop.call_soon_threadsafe(put)
