@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,50 @@ logger = logging.getLogger(__name__)
 
 #: the response header TorchServe 0.12 reads to tell a stream's chunks from its end
 TS_STREAM_NEXT = "ts_stream_next"
+#: what `send_intermediate_predict_response` says in a message's header
+INTERMEDIATE = "Intermediate"
+
+
+class ChunkSender:
+    """Streamed chunks of every request on one TorchServe socket: one message and one
+    `sendall` per event-loop iteration, not one per chunk.
+
+    A message to the frontend holds a list of predictions, each with its request id,
+    status, headers and body (pytorch/serve@v0.12.0:ts/protocol/otf_message_handler.py:
+    56-155), and the async frontend answers every job in the list (frontend/server/src/
+    main/java/org/pytorch/serve/wlm/AsyncBatchAggregator.java:80-119). An engine step
+    wakes each stream's coroutine in the same loop iteration, so a step's chunks leave
+    together, sent at the start of the next iteration."""
+
+    _HEAD = struct.pack("!ii", 200, len(INTERMEDIATE)) + INTERMEDIATE.encode()
+    _END = struct.pack("!i", -1)
+
+    def __init__(self, sock: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock, self.loop = sock, loop
+        self._parts: list[bytes] = []
+
+    def add(self, part: bytes) -> None:
+        """One prediction (`prediction`'s bytes), sent with the others of this iteration."""
+        if not self._parts:
+            self.loop.call_soon(self._flush_logged)
+        self._parts.append(part)
+
+    def flush(self) -> None:
+        """Send what is pending now: before a stream's end, which TorchServe sends itself."""
+        if self._parts:
+            parts, self._parts = self._parts, []
+            self.sock.sendall(b"".join([self._HEAD, *parts, self._END]))
+
+    def _flush_logged(self) -> None:
+        try:
+            self.flush()
+        except Exception:  # the frontend's socket failed: TorchServe ends this worker
+            logger.exception("sending streamed chunks to the frontend failed")
+
+    @classmethod
+    def prediction(cls, message: bytes) -> bytes:
+        """The one prediction of a message `create_predict_response` made."""
+        return message[len(cls._HEAD):-len(cls._END)]
 
 
 class StreamWriter:
@@ -51,10 +96,13 @@ class StreamWriter:
     serve/ ({wlm,job,util}/) and ts/protocol/.
     """
 
-    def __init__(self, context: Any, idx: int) -> None:
+    def __init__(self, context: Any, idx: int, sender: ChunkSender) -> None:
         self.context = context
         self.idx = idx
+        self.sender = sender
         self.started = False
+        #: a chunk's prediction up to its body: the same for every chunk after the first
+        self._prefix: bytes | None = None
 
     def begin(self, framer: Framer) -> None:
         self.context.set_response_content_type(self.idx, framer.content_type)
@@ -68,10 +116,11 @@ class StreamWriter:
         """The answer's last piece; returned to TorchServe, which ends the stream with it.
         A body that never streamed (non-streamed JSON, an empty stream) goes out as the
         stream's one chunk first."""
-        if self.started:
-            return last
-        self._chunk(last)
-        return ""
+        if not self.started:
+            self._chunk(last)
+            last = ""
+        self.sender.flush()  # every chunk before the end (TorchServe sends it, later)
+        return last
 
     def fail(self, status: int, body: str, headers: dict[str, str] | None = None) -> str:
         """An error before any chunk went out: a proper HTTP status and JSON body."""
@@ -85,11 +134,25 @@ class StreamWriter:
         return ""
 
     def _chunk(self, payload: str) -> None:
-        from ts.handler_utils.utils import send_intermediate_predict_response
+        """What `send_intermediate_predict_response` sends (ts/handler_utils/utils.py:36-42),
+        as one prediction of the sender's next message. The first chunk is encoded by
+        TorchServe itself (status, content type, headers with `ts_stream_next: true`);
+        later ones reuse its bytes up to the body."""
+        body = payload.encode("utf-8")
+        if self._prefix is None:
+            from ts.protocol.otf_message_handler import create_predict_response
 
-        req = {self.idx: self.context.get_request_id(self.idx)}
-        send_intermediate_predict_response({self.idx: payload}, req, "Intermediate", 200,
-                                           self.context)
+            req = {self.idx: self.context.get_request_id(self.idx)}
+            msg = create_predict_response({self.idx: body}, req, INTERMEDIATE, 200,
+                                          self.context, True)
+            if msg is None:  # ranks other than 0 send nothing (utils.py:39-40)
+                self.started = True
+                return
+            part = ChunkSender.prediction(bytes(msg))
+            self._prefix = part[:len(part) - 4 - len(body)]
+        else:
+            part = b"".join((self._prefix, struct.pack("!i", len(body)), body))
+        self.sender.add(part)
         self.started = True
 
     def _complete(self, body: str) -> None:
@@ -108,6 +171,7 @@ class GenerationHandler:
     def __init__(self) -> None:
         self.service: GenerationService | None = None
         self.initialized = False
+        self._sender: ChunkSender | None = None
 
     def initialize(self, context: Any) -> None:
         config = parse_config(context.model_yaml_config)
@@ -128,8 +192,10 @@ class GenerationHandler:
         return None
 
     async def handle(self, data: list[dict], context: Any) -> list[str]:
+        sender = self._sender_for(context.cl_socket)
+
         async def one(idx: int, item: dict) -> str:
-            writer = StreamWriter(context, idx)
+            writer = StreamWriter(context, idx, sender)
             try:
                 return await self.serve_one(writer, item)
             except Exception:  # an exception here would fail every in-flight request
@@ -188,6 +254,13 @@ class GenerationHandler:
                     return writer.finish(framer.error(end.status, end.message, in_stream=True))
                 retry = {"Retry-After": str(end.retry_after_s)} if end.retry_after_s else None
                 return writer.fail(end.status, framer.error(end.status, end.message), retry)
+
+    def _sender_for(self, sock: Any) -> ChunkSender:
+        """The worker's one sender (one socket, one event loop; tests bring their own)."""
+        loop = asyncio.get_running_loop()
+        if self._sender is None or self._sender.sock is not sock or self._sender.loop is not loop:
+            self._sender = ChunkSender(sock, loop)
+        return self._sender
 
     @staticmethod
     def _observer(context: Any) -> Observer:
