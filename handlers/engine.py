@@ -358,20 +358,33 @@ class QueueSink:
 
     Each call wakes the event loop (a write to its self-pipe, ~18 us measured), so
     whoever holds many events at once -- a step's output, a step's message from the
-    engine process -- hands them over with `deliver`: one wake-up per loop."""
+    engine process -- hands them over with `deliver`: one wake-up per loop. With
+    `on_text`, text goes to that callback on the loop's thread instead of the queue, so
+    the request's coroutine wakes only for its end, not once per token."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> None:
-        self.loop, self.queue = loop, queue
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event],
+                 on_text: Callable[[str], None] | None = None) -> None:
+        self.loop, self.queue, self.on_text = loop, queue, on_text
 
     def __call__(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.loop.call_soon_threadsafe(self.put, event)
+
+    def put(self, event: Event) -> None:
+        """On the loop's thread."""
+        if self.on_text is not None and type(event) is TextEvent:
+            self.on_text(event.text)
+        else:
+            self.queue.put_nowait(event)
 
     @staticmethod
     def put_all(loop: asyncio.AbstractEventLoop, items: list[tuple[QueueSink, Event]]) -> None:
         """Events for sinks of `loop`, delivered in one wake-up of the loop, in order."""
         def put() -> None:
             for sink, event in items:
-                sink.queue.put_nowait(event)
+                try:
+                    sink.put(event)
+                except Exception:  # one request's failure must not cost the others theirs
+                    logger.exception("delivering an event failed")
 
         loop.call_soon_threadsafe(put)
 

@@ -102,11 +102,13 @@ class GenerationService:
         return list(self.tokenizer(prompt)["input_ids"])
 
     def submit(self, request_id: str, request: GenerationRequest, prompt_ids: list[int],
-               loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Event]:
-        """Queue the request; its events arrive on the returned queue (raises on 4xx/503)."""
+               loop: asyncio.AbstractEventLoop, on_text: Callable[[str], None] | None = None
+               ) -> asyncio.Queue[Event]:
+        """Queue the request; its events arrive on the returned queue (raises on 4xx/503),
+        its text, given `on_text`, in calls to that on the loop's thread."""
         check_length(len(prompt_ids), request.max_new_tokens, self.backend.max_length,
                      getattr(self.backend, "max_prompt_length", None))
-        sink = QueueSink(loop, asyncio.Queue())
+        sink = QueueSink(loop, asyncio.Queue(), on_text)
         seq = Sequence(request_id=request_id, prompt_ids=prompt_ids,
                        max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                        stop=request.stop, tokenizer=self.tokenizer, sink=sink)

@@ -46,7 +46,7 @@ class FakeService:
     def encode(self, prompt: str) -> list[int]:
         return [ord(c) for c in prompt]
 
-    def submit(self, request_id, request, prompt_ids, loop) -> asyncio.Queue:
+    def submit(self, request_id, request, prompt_ids, loop, on_text=None) -> asyncio.Queue:
         if self.full:
             raise CapacityError("3 requests are waiting (handler.max_queue=3)", retry_after_s=2)
         events: asyncio.Queue = asyncio.Queue()
