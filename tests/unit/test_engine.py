@@ -440,3 +440,22 @@ def test_a_steps_events_reach_an_event_loop_in_one_wake_up():
         assert "".join(e.text for e in got if isinstance(e, TextEvent)) == "".join(
             chr(100 * (i + 1) + k) for k in (1, 2, 3))
         assert isinstance(got[-1], FinishEvent)
+
+
+def test_with_on_text_a_sinks_queue_gets_only_the_end():
+    import asyncio
+
+    from handlers.engine import QueueSink
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
+
+    engine, _, _ = make()
+    texts, queue = [], asyncio.Queue()
+    engine.submit(Sequence(request_id="a", prompt_ids=[100], max_new_tokens=3,
+                           sampling=SamplingParams(), stop=(), tokenizer=CharTokenizer(),
+                           sink=QueueSink(Loop(), queue, texts.append)))
+    run(engine)
+    assert "".join(texts) == "efg" and queue.qsize() == 1
+    assert queue.get_nowait().text == "efg"  # the FinishEvent
