@@ -1,12 +1,20 @@
-"""The generation loop: scheduler + backend, on one thread. Pure Python.
+"""The generation loop: scheduler + backend on one thread, output on another. Pure Python.
 
 Each step admits newcomers (prefill), then decodes every running sequence once,
 so new requests join at the next step (continuous) or at the next micro-batch
 (micro); a backend that can does both in one call (`Backend.mixes_prefill`).
-Results go to each request's sink as events. A backend failure fails the
-sequences of that call only -- the newcomers of a prefill, or the batch of a
-decode -- and the loop keeps serving. Nothing here waits on a request: a sink
-must not block.
+A backend failure fails the sequences of that call only -- the newcomers of a
+prefill, or the batch of a decode -- and the loop keeps serving.
+
+The engine thread does only what the next device call needs: token ids, and the
+finishes they decide (EOS, max_new_tokens, max_length), which free slots at once.
+The rest of step N -- detokenizing, stop strings, metrics, events to the sinks
+(grouped: one wake-up per event loop per step) -- runs on the output thread while
+step N+1 is on the device (vLLM's engine core overlaps its output processing the
+same way). Step N+1's output is handed over once step N's is done, so a sequence
+that hits a stop string leaves at the next step boundary, like a cancel: one
+wasted row-step, and no change to what it answers (the output side counts the
+tokens it rendered). Nothing here waits on a request: a sink must not block.
 
 A sequence past its deadline (`Sequence.deadline`) leaves at the start of the next
 step, before admission, so a newcomer takes its slot in that same step: a waiting
@@ -17,6 +25,7 @@ it has. TorchServe 0.12 never tells the worker that a client went away (README,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -30,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 #: observer(name, value, unit) for metrics such as time to first token
 Observer = Callable[[str, float, str], None]
+#: one entry of a step's output, in order: (sequence, token, finish reason or None) for a
+#: generated token; (sequence, None, event) for an end the engine decided (cancel,
+#: failure); (sequence, None, "timeout") for a deadline
+Item = tuple[Sequence, "int | None", "str | Event | None"]
 
 
 class Engine:
@@ -39,13 +52,16 @@ class Engine:
         self.backend = backend
         self.scheduler = scheduler
         self._observe = observer or (lambda name, value, unit: None)
-        #: called on the engine thread after every step, failed or not (the engine
-        #: process sends the step's events to the TorchServe worker as one message here)
+        #: called on the output side after each step's events went to their sinks (the
+        #: engine process sends them to the TorchServe worker as one message here)
         self._after_step = after_step or (lambda: None)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._output: OutputThread | None = None
         self._stopping = False
         self._load: tuple[int, int] | None = None  # (waiting, busy) last reported
+        self._items: list[Item] = []  # the current step's output (engine thread)
+        self._finished: list[Sequence] = []  # finished by their ids in the current call
 
     # -- called from request threads -------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -58,7 +74,7 @@ class Engine:
         with self._cond:
             seq = self.scheduler.cancel(request_id)
             self._cond.notify()
-        if seq is not None and seq.slot is None:
+        if seq is not None and seq.slot is None:  # it waited: no step ever saw it
             _emit(seq, ErrorEvent(499, "cancelled"))
 
     def start(self) -> None:
@@ -75,7 +91,8 @@ class Engine:
         warmed up on one thread and stepped on another has two pools, more threads
         than cores, and libgomp then stops spinning between ops -- decode steps of the
         bench model measured ~40% slower. So load, warm-up and every step share one
-        thread. Exceptions from `build` are raised here, in the caller.
+        thread (the output thread never calls the backend). Exceptions from `build` are
+        raised here, in the caller.
         """
         ready: Future[Engine] = Future()
 
@@ -101,30 +118,39 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping:
-                    wait = self.scheduler.wait_time()
-                    if wait == 0.0:
-                        break
-                    self._cond.wait(wait)
-                if self._stopping:
-                    return
-            try:
-                self.step()
-            except Exception:  # the loop must survive anything a step can throw
-                logger.exception("engine step failed")
-                self._fail(list(self.scheduler.running.values()), 500, "internal error")
-                self._report_load()
-            self._after_step()
+        self._output = OutputThread(self.emit)
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping:
+                        wait = self.scheduler.wait_time()
+                        if wait == 0.0:
+                            break
+                        self._cond.wait(wait)
+                    if self._stopping:
+                        return
+                self._output.put(self.collect())
+        finally:
+            self._output.stop()
 
     def step(self) -> None:
-        """One iteration: release overdue and cancelled sequences, prefill newcomers, decode
-        the running batch; then the load gauges, if they changed."""
+        """One iteration and its output, on the calling thread (the loop overlaps them)."""
+        self.emit(self.collect())
+
+    def collect(self) -> list[Item]:
+        """One iteration on the engine thread: release overdue, cancelled and stopped
+        sequences, prefill newcomers, decode the running batch; then the load gauges, if
+        they changed. Returns the step's output for `emit`."""
+        self._items = []
         try:
             self._step()
+        except Exception:  # the loop must survive anything a step can throw
+            logger.exception("engine step failed")
+            self._fail(list(self.scheduler.running.values()), 500, "internal error")
         finally:
             self._report_load()
+        items, self._items = self._items, []
+        return items
 
     def _report_load(self) -> None:
         """Waiting requests and busy slots, for autoscalers: observed when they change."""
@@ -138,21 +164,18 @@ class Engine:
     def _step(self) -> None:
         with self._cond:
             waited, overdue = self.scheduler.take_expired()
-            cancelled = self.scheduler.take_cancelled()
+            cancelled = self.scheduler.take_cancelled()  # and those a stop string ended
             newcomers = self.scheduler.admit()  # into the slots freed just now, too
         if cancelled or overdue:
             self.backend.release([slot for slot, _ in cancelled + overdue])
-            for _, seq in cancelled:
-                _emit(seq, ErrorEvent(499, "cancelled"))
+            self._items += [(seq, None, ErrorEvent(499, "cancelled"))
+                            for _, seq in cancelled if not seq.done]
         for seq in waited:
             timeout = (seq.deadline or seq.arrived_at) - seq.arrived_at
-            _emit(seq, ErrorEvent(504, f"timeout: the request's deadline ({timeout:g} s) passed "
-                                  "while it waited for a slot; nothing was generated"))
-        for _, seq in overdue:
-            if text := seq.cut():
-                _emit(seq, TextEvent(text))
-            self._observe("GeneratedTokens", len(seq.generated), "count")
-            _emit(seq, seq.finish_event("timeout"))
+            self._items.append((seq, None, ErrorEvent(
+                504, f"timeout: the request's deadline ({timeout:g} s) passed while it "
+                "waited for a slot; nothing was generated")))
+        self._items += [(seq, None, "timeout") for _, seq in overdue]
         if newcomers:
             now = time.monotonic()
             for seq in newcomers:
@@ -226,20 +249,15 @@ class Engine:
             logger.error("%s returned %d tokens for %d sequences", what, len(tokens), len(seqs))
             self._fail(seqs, 500, f"generation failed ({what}); the worker log has the details")
             return
+        eos, max_length = self.backend.eos_token_ids, self.backend.max_length
+        finished = []
         for seq, token in zip(seqs, tokens, strict=True):
-            self._advance(seq, token)
-
-    def _advance(self, seq: Sequence, token: int) -> None:
-        first = seq.first_token_at is None
-        text, reason = seq.append(token, self.backend.eos_token_ids, self.backend.max_length)
-        if first:
-            self._observe("TimeToFirstToken", (seq.first_token_at - seq.arrived_at) * 1000, "ms")
-        if text:
-            _emit(seq, TextEvent(text))
-        if reason is not None:
-            self._release([seq])
-            self._observe("GeneratedTokens", len(seq.generated), "count")
-            _emit(seq, seq.finish_event(reason))
+            reason = seq.add(token, eos, max_length)
+            self._items.append((seq, token, reason))
+            if reason is not None:
+                finished.append(seq)
+        if finished:  # their slots are free for the next step's newcomers
+            self._release(finished)
 
     def _release(self, seqs: list[Sequence]) -> None:
         with self._cond:
@@ -252,8 +270,138 @@ class Engine:
 
     def _fail(self, seqs: list[Sequence], status: int, message: str) -> None:
         self._release(seqs)
-        for seq in seqs:
-            _emit(seq, ErrorEvent(status, message))
+        self._items += [(seq, None, ErrorEvent(status, message)) for seq in seqs]
+
+    # -- the output side ----------------------------------------------------------------
+    def emit(self, items: list[Item]) -> None:
+        """A step's output: text, stop strings, metrics, then every event to its sink -- a
+        sequence's ends after its text, each event loop woken once. A sequence that ended
+        (`done`) gets nothing more: a stop string may end it before the engine knows."""
+        out: list[tuple[Sequence, Event]] = []
+        for seq, token, what in items:
+            if seq.done:
+                continue
+            if token is not None:
+                if seq.shown == 0:
+                    self._observe("TimeToFirstToken",
+                                  (seq.first_token_at - seq.arrived_at) * 1000, "ms")
+                text, reason = seq.render(token, what)
+                if text:
+                    out.append((seq, TextEvent(text)))
+                if reason is not None:
+                    out.append((seq, self._finish(seq, reason)))
+            elif what == "timeout":
+                if text := seq.cut():
+                    out.append((seq, TextEvent(text)))
+                out.append((seq, self._finish(seq, "timeout")))
+            else:
+                seq.done = True
+                out.append((seq, what))
+        deliver(out)
+        self._after_step()
+
+    def _finish(self, seq: Sequence, reason: str) -> Event:
+        seq.done = True
+        self._observe("GeneratedTokens", seq.shown, "count")
+        return seq.finish_event(reason)
+
+
+class OutputThread:
+    """Runs each step's output (`emit`) on its own thread, one step behind the engine.
+
+    `put` hands step N+1's output over once step N's is done: what step N's output
+    decided (a stop string) is known before step N+2, and a slow output side slows
+    the engine instead of queueing without bound."""
+
+    def __init__(self, emit: Callable[[list[Item]], None]) -> None:
+        self._emit = emit
+        self._cond = threading.Condition()
+        self._next: list[Item] | None = None
+        self._busy = False  # handed over and not yet done
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="inf2serve-output", daemon=True)
+        self._thread.start()
+
+    def put(self, items: list[Item]) -> None:
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            self._next, self._busy = items, True
+            self._cond.notify_all()
+
+    def stop(self, timeout_s: float = 10) -> None:
+        """After the output handed over so far is done."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._next is None and not self._stopping:
+                    self._cond.wait()
+                items, self._next = self._next, None
+            if items is None:
+                return
+            try:
+                self._emit(items)
+            except Exception:  # this thread must outlive anything a step's output can do
+                logger.exception("engine output failed")
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+class QueueSink:
+    """A request's events onto its asyncio queue, from another thread.
+
+    Each call wakes the event loop (a write to its self-pipe, ~18 us measured), so
+    whoever holds many events at once -- a step's output, a step's message from the
+    engine process -- hands them over with `deliver`: one wake-up per loop. With
+    `on_text`, text goes to that callback on the loop's thread instead of the queue, so
+    the request's coroutine wakes only for its end, not once per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event],
+                 on_text: Callable[[str], None] | None = None) -> None:
+        self.loop, self.queue, self.on_text = loop, queue, on_text
+
+    def __call__(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.put, event)
+
+    def put(self, event: Event) -> None:
+        """On the loop's thread."""
+        if self.on_text is not None and type(event) is TextEvent:
+            self.on_text(event.text)
+        else:
+            self.queue.put_nowait(event)
+
+    @staticmethod
+    def put_all(loop: asyncio.AbstractEventLoop, items: list[tuple[QueueSink, Event]]) -> None:
+        """Events for sinks of `loop`, delivered in one wake-up of the loop, in order."""
+        def put() -> None:
+            for sink, event in items:
+                try:
+                    sink.put(event)
+                except Exception:  # one request's failure must not cost the others theirs
+                    logger.exception("delivering an event failed")
+
+        loop.call_soon_threadsafe(put)
+
+
+def deliver(events: list[tuple[Sequence, Event]]) -> None:
+    """Events to their sequences' sinks, in order; QueueSinks grouped by event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[QueueSink, Event]]] = {}
+    for seq, event in events:
+        if isinstance(seq.sink, QueueSink):
+            by_loop.setdefault(seq.sink.loop, []).append((seq.sink, event))
+        else:
+            _emit(seq, event)
+    for loop, items in by_loop.items():
+        try:
+            QueueSink.put_all(loop, items)
+        except RuntimeError:  # its loop is closed: nobody is left to read these
+            logger.warning("dropped %d events for a closed event loop", len(items))
 
 
 def _emit(seq: Sequence, event: Event) -> None:

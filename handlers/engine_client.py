@@ -40,12 +40,12 @@ from pathlib import Path
 from handlers import engine_process
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig
-from handlers.engine import Observer
+from handlers.engine import Observer, deliver
 from handlers.engine_process import ModelLimits
 from handlers.errors import CapacityError, EngineProcessError
 from handlers.neuron_cores import CoreClaim, available_cores, claim_cores
 from handlers.scheduler import ErrorEvent, Event, Sequence, TextEvent
-from handlers.service import EngineSpec, QueueSink
+from handlers.service import EngineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class EngineClient:
     def _deliver(self, message: tuple) -> None:
         """A step's events to their requests: one wake-up per event loop, not per event."""
         _, events, observations = message
-        out, by_loop = [], {}
+        out = []
         with self._lock:
             for request_id, event in events:
                 request = self._requests.get(request_id)
@@ -215,15 +215,8 @@ class EngineClient:
                     continue
                 if not isinstance(event, TextEvent):  # the request's last event
                     del self._requests[request_id]
-                sink = request.seq.sink
-                if isinstance(sink, QueueSink):
-                    by_loop.setdefault(sink.loop, []).append((sink, event))
-                else:
-                    out.append((request.seq, event))
-        for loop, items in by_loop.items():
-            QueueSink.put_all(loop, items)
-        for seq, event in out:
-            _emit(seq, event)
+                out.append((request.seq, event))
+        deliver(out)
         for observation in observations:
             self._observe(*observation)
 

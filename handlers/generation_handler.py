@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,65 @@ logger = logging.getLogger(__name__)
 
 #: the response header TorchServe 0.12 reads to tell a stream's chunks from its end
 TS_STREAM_NEXT = "ts_stream_next"
+#: what `send_intermediate_predict_response` says in a message's header
+INTERMEDIATE = "Intermediate"
+
+
+class ChunkSender:
+    """Streamed chunks of every request on one TorchServe socket: one message and one
+    `sendall` per event-loop iteration, not one per chunk.
+
+    A message to the frontend holds a list of predictions, each with its request id,
+    status, headers and body (pytorch/serve@v0.12.0:ts/protocol/otf_message_handler.py:
+    56-155), and the async frontend answers every job in the list (frontend/server/src/
+    main/java/org/pytorch/serve/wlm/AsyncBatchAggregator.java:80-119). A step's events
+    reach the event loop in one callback, so its chunks leave together, sent at the
+    start of the next iteration; a request's text of several steps, if the loop fell
+    behind, goes as one chunk."""
+
+    _HEAD = struct.pack("!ii", 200, len(INTERMEDIATE)) + INTERMEDIATE.encode()
+    _END = struct.pack("!i", -1)
+
+    def __init__(self, sock: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock, self.loop = sock, loop
+        self._pending: list[StreamWriter | bytes] = []
+
+    def add(self, item: StreamWriter | bytes) -> None:
+        """A prediction's bytes, or a writer holding text: sent with this iteration's."""
+        if not self._pending:
+            self.loop.call_soon(self._flush_logged)
+        self._pending.append(item)
+
+    def flush(self) -> None:
+        """Send what is pending now: before a stream's end, which TorchServe sends itself."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        parts = []
+        for item in pending:
+            if isinstance(item, bytes):
+                parts.append(item)
+                continue
+            try:
+                part = item.take()
+            except Exception:  # one request's failure must not cost the others theirs
+                logger.exception("framing a chunk of request %s failed", item.request_id)
+                continue
+            if part is not None:
+                parts.append(part)
+        if parts:
+            self.sock.sendall(b"".join([self._HEAD, *parts, self._END]))
+
+    def _flush_logged(self) -> None:
+        try:
+            self.flush()
+        except Exception:  # the frontend's socket failed: TorchServe ends this worker
+            logger.exception("sending streamed chunks to the frontend failed")
+
+    @classmethod
+    def prediction(cls, message: bytes) -> bytes:
+        """The one prediction of a message `create_predict_response` made."""
+        return message[len(cls._HEAD):-len(cls._END)]
 
 
 class StreamWriter:
@@ -51,27 +111,54 @@ class StreamWriter:
     serve/ ({wlm,job,util}/) and ts/protocol/.
     """
 
-    def __init__(self, context: Any, idx: int) -> None:
+    def __init__(self, context: Any, idx: int, sender: ChunkSender) -> None:
         self.context = context
         self.idx = idx
-        self.started = False
+        self.sender = sender
+        self.framer: Framer | None = None
+        self.started = False  # a chunk went out, or is on its way
+        self._text: list[str] = []  # streamed text not yet framed
+        #: a chunk's prediction up to its body: the same for every chunk after the first
+        self._prefix: bytes | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.context.get_request_id(self.idx)
 
     def begin(self, framer: Framer) -> None:
+        self.framer = framer
         self.context.set_response_content_type(self.idx, framer.content_type)
+
+    def add_text(self, text: str) -> None:
+        """Generated text, framed and sent with this event-loop iteration's chunks (none
+        for a non-streamed answer, whose last piece carries it all). Called on the loop's
+        thread, straight from the engine's events: no coroutine wakes per token."""
+        if text and self.framer.streaming:
+            if not self._text:
+                self.sender.add(self)
+            self._text.append(text)
+            self.started = True
+
+    def take(self) -> bytes | None:
+        """The text added since the last call, as one chunk's prediction (ChunkSender)."""
+        text, self._text = "".join(self._text), []
+        return self._part(self.framer.chunk(text)) if text else None
 
     def send(self, payload: str) -> None:
         """One chunk of a streamed 200 (nothing to send: nothing goes out)."""
-        if payload:
-            self._chunk(payload)
+        if payload and (part := self._part(payload)) is not None:
+            self.sender.add(part)
 
     def finish(self, last: str) -> str:
         """The answer's last piece; returned to TorchServe, which ends the stream with it.
         A body that never streamed (non-streamed JSON, an empty stream) goes out as the
         stream's one chunk first."""
-        if self.started:
-            return last
-        self._chunk(last)
-        return ""
+        if not self.started:
+            if (part := self._part(last)) is not None:
+                self.sender.add(part)
+            last = ""
+        self.sender.flush()  # every chunk before the end (TorchServe sends it, later)
+        return last
 
     def fail(self, status: int, body: str, headers: dict[str, str] | None = None) -> str:
         """An error before any chunk went out: a proper HTTP status and JSON body."""
@@ -84,13 +171,25 @@ class StreamWriter:
         context.set_response_header(idx, TS_STREAM_NEXT, "false")
         return ""
 
-    def _chunk(self, payload: str) -> None:
-        from ts.handler_utils.utils import send_intermediate_predict_response
+    def _part(self, payload: str) -> bytes | None:
+        """What `send_intermediate_predict_response` sends (ts/handler_utils/utils.py:36-42),
+        as one prediction of a message (None: nothing to send). The first chunk is
+        encoded by TorchServe itself (status, content type, headers with
+        `ts_stream_next: true`); later ones reuse its bytes up to the body."""
+        self.started = True
+        body = payload.encode("utf-8")
+        if self._prefix is not None:
+            return b"".join((self._prefix, struct.pack("!i", len(body)), body))
+        from ts.protocol.otf_message_handler import create_predict_response
 
         req = {self.idx: self.context.get_request_id(self.idx)}
-        send_intermediate_predict_response({self.idx: payload}, req, "Intermediate", 200,
-                                           self.context)
-        self.started = True
+        msg = create_predict_response({self.idx: body}, req, INTERMEDIATE, 200, self.context,
+                                      True)
+        if msg is None:  # ranks other than 0 send nothing (utils.py:39-40)
+            return None
+        part = ChunkSender.prediction(bytes(msg))
+        self._prefix = part[:len(part) - 4 - len(body)]
+        return part
 
     def _complete(self, body: str) -> None:
         """A whole response in one message: no `ts_stream_next` header."""
@@ -108,6 +207,7 @@ class GenerationHandler:
     def __init__(self) -> None:
         self.service: GenerationService | None = None
         self.initialized = False
+        self._sender: ChunkSender | None = None
 
     def initialize(self, context: Any) -> None:
         config = parse_config(context.model_yaml_config)
@@ -128,8 +228,10 @@ class GenerationHandler:
         return None
 
     async def handle(self, data: list[dict], context: Any) -> list[str]:
+        sender = self._sender_for(context.cl_socket)
+
         async def one(idx: int, item: dict) -> str:
-            writer = StreamWriter(context, idx)
+            writer = StreamWriter(context, idx, sender)
             try:
                 return await self.serve_one(writer, item)
             except Exception:  # an exception here would fail every in-flight request
@@ -153,8 +255,10 @@ class GenerationHandler:
                 context.set_response_content_type(idx, prepared.content_type)
                 return writer.finish(prepared.body)
             framer = prepared.framer
+            writer.begin(framer)
             events = self.service.submit(context.get_request_id(idx), prepared.request,
-                                         prepared.prompt_ids, asyncio.get_running_loop())
+                                         prepared.prompt_ids, asyncio.get_running_loop(),
+                                         on_text=writer.add_text)
         except RequestError as exc:
             return writer.fail(exc.status, framer.error(exc.status, exc.message, exc.field))
         except CapacityError as exc:
@@ -167,19 +271,20 @@ class GenerationHandler:
             raise
 
     async def stream(self, writer: StreamWriter, framer: Framer, events: asyncio.Queue) -> str:
-        """Forward events until the sequence ends; the return value is the last piece.
+        """Wait for the sequence's end; the return value is the last piece.
 
-        Text that queued up while a chunk was being sent goes out as one chunk: fewer,
-        larger chunks when the engine outruns the socket, the same text either way.
+        Text reaches `writer.add_text` without waking this coroutine (the service calls
+        it); a queue that carries text too (a sink without that callback) is read here.
+        Text that queued up goes out as one chunk either way: fewer, larger chunks when
+        the engine outruns the socket, the same text.
         """
-        writer.begin(framer)
         while True:
             batch = [await events.get()]
             while not events.empty():
                 batch.append(events.get_nowait())
-            text = "".join(e.text for e in batch if isinstance(e, TextEvent))
-            if text and framer.streaming:
-                writer.send(framer.chunk(text))
+            for event in batch:
+                if isinstance(event, TextEvent):
+                    writer.add_text(event.text)
             end = batch[-1]
             if isinstance(end, FinishEvent):
                 return writer.finish(framer.final(end))
@@ -188,6 +293,13 @@ class GenerationHandler:
                     return writer.finish(framer.error(end.status, end.message, in_stream=True))
                 retry = {"Retry-After": str(end.retry_after_s)} if end.retry_after_s else None
                 return writer.fail(end.status, framer.error(end.status, end.message), retry)
+
+    def _sender_for(self, sock: Any) -> ChunkSender:
+        """The worker's one sender (one socket, one event loop; tests bring their own)."""
+        loop = asyncio.get_running_loop()
+        if self._sender is None or self._sender.sock is not sock or self._sender.loop is not loop:
+            self._sender = ChunkSender(sock, loop)
+        return self._sender
 
     @staticmethod
     def _observer(context: Any) -> Observer:

@@ -50,7 +50,11 @@ Sink = Callable[[Event], None]
 
 @dataclass(eq=False)
 class Sequence:
-    """One request's generation state. Never calls the model."""
+    """One request's generation state. Never calls the model.
+
+    Split between two threads: the engine thread records token ids and the finish they
+    decide (`add`); the output side turns them into text and finds stop strings
+    (`render`, `cut`), one step behind (handlers/engine.py)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -64,29 +68,34 @@ class Sequence:
     slot: int | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
-    generated: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # engine thread: every token
+    shown: int = 0  # output side: tokens turned into text (a prefix of `generated`)
     cancelled: bool = False
+    done: bool = False  # output side: its last event went out (it leaves at the next step)
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer)
         self._stopper = StopMatcher(self.stop)
         self._text: list[str] = []
 
-    def append(self, token: int, eos_ids: frozenset[int],
-               max_length: int) -> tuple[str, str | None]:
-        """Add a generated token; return (new text, finish reason or None)."""
+    def add(self, token: int, eos_ids: frozenset[int], max_length: int) -> str | None:
+        """Engine thread: record a generated token; return the finish reason its id alone
+        decides (EOS: "stop"; max_new_tokens or max_length: "length"), else None."""
         self.generated.append(token)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        reason = None
         if token in eos_ids:
-            reason = "stop"
-            delta = ""
-        else:
-            delta = self._detok.push(token)
-        if reason is None and (len(self.generated) >= self.max_new_tokens
-                               or len(self.prompt_ids) + len(self.generated) >= max_length):
-            reason = "length"
+            return "stop"
+        if (len(self.generated) >= self.max_new_tokens
+                or len(self.prompt_ids) + len(self.generated) >= max_length):
+            return "length"
+        return None
+
+    def render(self, token: int, reason: str | None) -> tuple[str, str | None]:
+        """Output side: the text `token` (the next one `add` recorded) completes, cut at a
+        stop string; return it and the finish reason (`add`'s, or "stop" on a stop string)."""
+        self.shown += 1
+        delta = "" if reason == "stop" else self._detok.push(token)  # "stop" here: EOS
         if reason is not None:
             delta += self._detok.flush()
         text, hit = self._stopper.feed(delta)
@@ -97,6 +106,11 @@ class Sequence:
         self._text.append(text)
         return text, reason
 
+    def append(self, token: int, eos_ids: frozenset[int],
+               max_length: int) -> tuple[str, str | None]:
+        """Add a generated token; return (new text, finish reason or None)."""
+        return self.render(token, self.add(token, eos_ids, max_length))
+
     def cut(self) -> str:
         """End early (deadline): the text held back so far -- an incomplete character, a
         partial stop-string match -- which now will never complete."""
@@ -106,8 +120,11 @@ class Sequence:
         return text
 
     def finish_event(self, reason: str) -> FinishEvent:
-        return FinishEvent(reason, len(self.prompt_ids), len(self.generated), "".join(self._text),
-                           tuple(self.generated))
+        """The last event, counting the tokens rendered: a sequence that hit a stop string
+        may have generated one more, which the engine had started before it knew."""
+        n = self.shown
+        return FinishEvent(reason, len(self.prompt_ids), n, "".join(self._text),
+                           tuple(self.generated[:n]))
 
 
 class Scheduler:
@@ -186,8 +203,9 @@ class Scheduler:
         return None
 
     def take_cancelled(self) -> list[tuple[int, Sequence]]:
-        """Finish running sequences marked cancelled; return (slot, sequence) for the backend."""
-        gone = [s for s in self.running.values() if s.cancelled]
+        """Finish running sequences marked cancelled, or done (ended by a stop string on the
+        output side); return (slot, sequence) for the backend."""
+        gone = [s for s in self.running.values() if s.cancelled or s.done]
         return [(slot, s) for s in gone if (slot := self.finish(s)) is not None]
 
     def take_expired(self, now: float | None = None

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from handlers.backends import load_backend
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig
-from handlers.engine import Engine, Observer
+from handlers.engine import Engine, Observer, QueueSink
 from handlers.request import GenerationRequest, check_length
 from handlers.scheduler import Event, Scheduler, Sequence
 
@@ -102,11 +102,13 @@ class GenerationService:
         return list(self.tokenizer(prompt)["input_ids"])
 
     def submit(self, request_id: str, request: GenerationRequest, prompt_ids: list[int],
-               loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Event]:
-        """Queue the request; its events arrive on the returned queue (raises on 4xx/503)."""
+               loop: asyncio.AbstractEventLoop, on_text: Callable[[str], None] | None = None
+               ) -> asyncio.Queue[Event]:
+        """Queue the request; its events arrive on the returned queue (raises on 4xx/503),
+        its text, given `on_text`, in calls to that on the loop's thread."""
         check_length(len(prompt_ids), request.max_new_tokens, self.backend.max_length,
                      getattr(self.backend, "max_prompt_length", None))
-        sink = QueueSink(loop, asyncio.Queue())
+        sink = QueueSink(loop, asyncio.Queue(), on_text)
         seq = Sequence(request_id=request_id, prompt_ids=prompt_ids,
                        max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                        stop=request.stop, tokenizer=self.tokenizer, sink=sink)
@@ -114,26 +116,3 @@ class GenerationService:
             seq.deadline = seq.arrived_at + request.timeout_s
         self.engine.submit(seq)
         return sink.queue
-
-
-class QueueSink:
-    """A request's events onto its asyncio queue, from the engine's thread.
-
-    Each call wakes the event loop (a write to its self-pipe, ~18 us measured); whoever
-    holds many events at once -- a step's worth from the engine process -- hands them
-    over with one `put_all` instead."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> None:
-        self.loop, self.queue = loop, queue
-
-    def __call__(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-    @staticmethod
-    def put_all(loop: asyncio.AbstractEventLoop, items: list[tuple[QueueSink, Event]]) -> None:
-        """Events for sinks of `loop`, delivered in one wake-up of the loop, in order."""
-        def put() -> None:
-            for sink, event in items:
-                sink.queue.put_nowait(event)
-
-        loop.call_soon_threadsafe(put)

@@ -138,6 +138,8 @@ def until_refused(send: Callable[[], httpx.Response | Exception], tries: int = 5
 
 
 def test_a_full_queue_answers_503_with_retry_after_through_both_apis(server):
+    """Each API probes during its own hold: a 500-token stream of the tiny model lasts
+    about 2 s, and the queue place frees when the first one ends."""
     from openai import APIStatusError
 
     threads = hold_the_tight_model(server)
@@ -147,14 +149,20 @@ def test_a_full_queue_answers_503_with_retry_after_through_both_apis(server):
         assert r.headers["retry-after"] == "1" and r.headers["content-type"] == \
             "application/json"
         assert "max_queue" in r.json()["error"]["message"]
+    finally:
+        for t in threads:
+            t.join(120)
 
-        def openai_call():
-            try:
-                return openai_client(server, TIGHT).completions.create(
-                    model=TIGHT, prompt="x", max_tokens=4)
-            except APIStatusError as exc:
-                return exc
+    client = openai_client(server, TIGHT)  # built before the hold: probes go out at once
 
+    def openai_call():
+        try:
+            return client.completions.create(model=TIGHT, prompt="x", max_tokens=4)
+        except APIStatusError as exc:
+            return exc
+
+    threads = hold_the_tight_model(server)
+    try:
         exc = until_refused(openai_call)
         assert exc.response.headers["retry-after"] == "1"
         assert exc.body["type"] == "overloaded_error"

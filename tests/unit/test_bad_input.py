@@ -203,7 +203,7 @@ class FakeService:
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def submit(self, request_id, request, prompt_ids, loop) -> asyncio.Queue:
+    def submit(self, request_id, request, prompt_ids, loop, on_text=None) -> asyncio.Queue:
         check_length(len(prompt_ids), request.max_new_tokens, 64)  # as GenerationService does
         self.submitted.append(request)
         events: asyncio.Queue = asyncio.Queue()

@@ -280,3 +280,182 @@ def test_a_request_overdue_while_waiting_gets_504_and_generates_nothing():
     run(engine)
     assert [c for c in backend.calls if c[0] == "prefill"] == [("prefill", (0,))]  # a only
     assert isinstance(ev["a"][-1], FinishEvent) and ev["a"][-1].reason == "length"
+
+
+# -- the output side, one step behind the device ---------------------------------------
+
+def stop_seq(engine, rid, start, n, stop, events):
+    s = Sequence(request_id=rid, prompt_ids=[start], max_new_tokens=n, sampling=SamplingParams(),
+                 stop=stop, tokenizer=CharTokenizer(), sink=events.setdefault(rid, []).append)
+    engine.submit(s)
+    return s
+
+
+def overlapped(engine, steps=100):
+    """The loop's order, without threads: step N+1 runs before step N's output is emitted."""
+    pending = None
+    for _ in range(steps):
+        if not engine.scheduler.has_work() and pending is None:
+            return
+        items = engine.collect() if engine.scheduler.has_work() else None
+        if pending is not None:
+            engine.emit(pending)
+        pending = items
+
+
+def test_a_stop_string_hit_answers_the_same_and_frees_the_slot_at_the_next_step():
+    serial, _, _ = make()
+    ev_serial = {}
+    stop_seq(serial, "a", ord("a"), 20, ("e",), ev_serial)  # "bcd" then "e" stops it
+    stop_seq(serial, "b", ord("A"), 8, (), ev_serial)
+    run(serial)
+
+    engine, backend, seen = make()
+    ev = {}
+    stop_seq(engine, "a", ord("a"), 20, ("e",), ev)
+    stop_seq(engine, "b", ord("A"), 8, (), ev)
+    overlapped(engine)
+    for rid in "ab":
+        assert ev[rid] == ev_serial[rid]  # same text, reason, counts and token ids
+    done = ev["a"][-1]
+    assert (done.reason, done.text, done.completion_tokens) == ("stop", "bcd", 4)
+    assert done.token_ids == tuple(map(ord, "bcde"))
+    decodes = [c[1] for c in backend.calls if c[0] == "decode"]
+    # prefill + decode give "bc"; decodes 2 and 3 give "d" and "e" (the stop); decode 4
+    # ran before the output side saw the stop (one wasted row); then the slot was freed
+    assert decodes[:4] == [(0, 1)] * 4 and decodes[4] == (1,)
+    assert backend.calls[backend.calls.index(("decode", (0, 1)), 0) + 1:].count(
+        ("release", (0,))) == 1
+    assert ("GeneratedTokens", 4, "count") in seen
+
+
+def test_a_cancel_after_a_stop_string_hit_sends_no_second_end():
+    engine, backend, _ = make()
+    ev = {}
+    stop_seq(engine, "a", ord("a"), 20, ("c",), ev)
+    first = engine.collect()  # prefill "b" + decode "c": the stop string
+    second = engine.collect()  # one more row before the output side has seen it
+    engine.emit(first)
+    engine.cancel("a")
+    engine.emit(second)
+    engine.emit(engine.collect())  # leaves here; the cancel is moot
+    assert [type(e) for e in ev["a"]] == [TextEvent, FinishEvent]
+    assert ev["a"][-1].reason == "stop" and engine.scheduler.running == {}
+    assert backend.last == {}
+
+
+def test_the_loop_calls_the_next_decode_before_delivering_a_steps_events():
+    import threading
+
+    second_decode = threading.Event()
+
+    class Recording(CountingBackend):
+        def decode(self, slots):
+            if self.decodes == 1:
+                second_decode.set()
+            return super().decode(slots)
+
+    backend = Recording()
+    engine = Engine(backend, Scheduler(backend.batch_size))
+    overlapped_first, done = [], threading.Event()
+
+    def sink(event):
+        if not overlapped_first:  # step 1's text: decode 2 has been called by now
+            overlapped_first.append(second_decode.wait(5))
+        if isinstance(event, FinishEvent):
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit(Sequence(request_id="t", prompt_ids=[100], max_new_tokens=6,
+                               sampling=SamplingParams(), stop=(), tokenizer=CharTokenizer(),
+                               sink=sink))
+        assert done.wait(10)
+    finally:
+        engine.stop()
+    assert overlapped_first == [True]
+
+
+def test_the_loop_answers_as_the_serial_step_does():
+    import threading
+
+    def scenario(engine, ev):
+        stop_seq(engine, "stop", ord("a"), 20, ("ef",), ev)
+        stop_seq(engine, "len", ord("A"), 7, ("zz",), ev)
+        stop_seq(engine, "eos", 9995, 20, (), ev)  # 9996..9999, then EOS (10000)
+        stop_seq(engine, "late", ord("0"), 5, (), ev)  # waits for a slot (4 slots)
+        stop_seq(engine, "one", ord("k"), 1, (), ev)
+
+    serial, _, _ = make()
+    ev_serial = {}
+    scenario(serial, ev_serial)
+    run(serial)
+
+    engine, _, seen = make()
+    ev, done = {}, threading.Event()
+    engine.start()
+    try:
+        scenario(engine, ev)
+        for _ in range(200):
+            if all(ev.get(k) and not isinstance(ev[k][-1], TextEvent) for k in ev_serial):
+                break
+            done.wait(0.02)
+    finally:
+        engine.stop()
+    assert ev == ev_serial
+    assert ev["eos"][-1].reason == "stop" and ev["stop"][-1].text == "bcd"
+    assert sorted(v for n, v, _ in seen if n == "GeneratedTokens") == sorted(
+        e[-1].completion_tokens for e in ev.values()) == [1, 5, 5, 5, 7]
+
+
+def test_a_steps_events_reach_an_event_loop_in_one_wake_up():
+    import asyncio
+
+    from handlers.engine import QueueSink
+
+    class Loop:
+        """Counts cross-thread wake-ups; runs their callbacks at once."""
+
+        wakeups = 0
+
+        def call_soon_threadsafe(self, fn, *args):
+            self.wakeups += 1
+            fn(*args)
+
+    loop = Loop()
+    engine, _, _ = make()
+    queues = {}
+    for i in range(4):
+        queues[i] = asyncio.Queue()
+        engine.submit(Sequence(request_id=str(i), prompt_ids=[100 * (i + 1)], max_new_tokens=3,
+                               sampling=SamplingParams(), stop=(), tokenizer=CharTokenizer(),
+                               sink=QueueSink(loop, queues[i])))
+    steps = 0
+    while engine.scheduler.has_work():
+        engine.step()
+        steps += 1
+    assert steps == 2 and loop.wakeups == 2  # not one per event (4 x 4 of them)
+    for i, q in queues.items():
+        got = [q.get_nowait() for _ in range(q.qsize())]
+        assert "".join(e.text for e in got if isinstance(e, TextEvent)) == "".join(
+            chr(100 * (i + 1) + k) for k in (1, 2, 3))
+        assert isinstance(got[-1], FinishEvent)
+
+
+def test_with_on_text_a_sinks_queue_gets_only_the_end():
+    import asyncio
+
+    from handlers.engine import QueueSink
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
+
+    engine, _, _ = make()
+    texts, queue = [], asyncio.Queue()
+    engine.submit(Sequence(request_id="a", prompt_ids=[100], max_new_tokens=3,
+                           sampling=SamplingParams(), stop=(), tokenizer=CharTokenizer(),
+                           sink=QueueSink(Loop(), queue, texts.append)))
+    run(engine)
+    assert "".join(texts) == "efg" and queue.qsize() == 1
+    assert queue.get_nowait().text == "efg"  # the FinishEvent

@@ -46,7 +46,7 @@ class FakeService:
     def encode(self, prompt: str) -> list[int]:
         return [ord(c) for c in prompt]
 
-    def submit(self, request_id, request, prompt_ids, loop) -> asyncio.Queue:
+    def submit(self, request_id, request, prompt_ids, loop, on_text=None) -> asyncio.Queue:
         if self.full:
             raise CapacityError("3 requests are waiting (handler.max_queue=3)", retry_after_s=2)
         events: asyncio.Queue = asyncio.Queue()
@@ -156,3 +156,50 @@ def test_the_fake_frontend_keeps_a_plain_answer_in_flight():
     context.request_processor = [RequestProcessor({})]
     view = http_view(decode(create_predict_response(["{}"], {0: "r"}, "ok", 200, context)))
     assert (view.status, view.complete, view.forgotten) == (200, True, False)
+
+
+def test_the_chunks_of_one_step_leave_in_one_message_and_each_stream_stays_whole():
+    """Two streams' text of one engine step arrives in one loop callback (QueueSink.put_all):
+    one message, one sendall, holding a prediction for each; the ends come after."""
+    calls: list[bytes] = []
+    sock = SimpleNamespace(sendall=calls.append)
+    texts: dict = {}
+
+    class Service(FakeService):
+        def submit(self, request_id, request, prompt_ids, loop, on_text=None):
+            texts[request_id] = (on_text, asyncio.Queue())
+            return texts[request_id][1]
+
+    handler = GenerationHandler()
+    handler.service = Service([])
+
+    def context(request_id):
+        ctx = Context("tiny", "/m", {}, 1, None, "0.12.0")
+        ctx.request_processor = [RequestProcessor({"url_path": ""})]
+        ctx.request_ids, ctx.cl_socket = {0: request_id}, sock
+        return ctx
+
+    async def main():
+        contexts = [context(f"r{i}") for i in range(2)]
+        tasks = [asyncio.create_task(handler.handle([{"body": NATIVE}], c)) for c in contexts]
+        while len(texts) < 2:
+            await asyncio.sleep(0)
+        for step in "ab":
+            for rid, (on_text, _) in texts.items():  # one step's events: one callback
+                on_text(f"{step}{rid} ")
+            await asyncio.sleep(0)  # the loop's next iteration sends them
+        for _, events in texts.values():
+            events.put_nowait(DONE)
+        rets = await asyncio.gather(*tasks)
+        for ctx, ret in zip(contexts, rets, strict=True):  # as ts/async_service.py:91-93
+            sock.sendall(create_predict_response(ret, ctx.request_ids, "Prediction success",
+                                                 200, ctx))
+
+    asyncio.run(main())
+    assert [sorted(p.request_id for p in decode(m)) for m in calls[:2]] == [["r0", "r1"]] * 2
+    everything = decode(b"".join(calls))
+    for rid in ("r0", "r1"):
+        view = http_view([p for p in everything if p.request_id == rid])
+        assert (view.status, view.framing, view.complete, view.forgotten) == (
+            200, "chunked", True, True)
+        assert view.body.decode() == f"a{rid} b{rid} "
