@@ -8,7 +8,7 @@ One run, one machine, the same torch thread count everywhere:
   2. TorchServe with three models of the same checkpoint -- ours with `batching:
      continuous` and with `batching: micro` (static batches), and the reference Inf2
      design (bench/reference_handler.py) -- each measured single-stream, with 8
-     closed-loop streams, and with Poisson arrivals at 2 req/s;
+     closed-loop streams (ours also with 32), and with Poisson arrivals at 2 req/s;
   3. a side-by-side report (bench.json, bench.md, PNG plots) plus SUMMARY.md with the
      issue's targets as measured ratios.
 Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 12 minutes on 2 cores).
@@ -136,10 +136,13 @@ def paired_rounds(inproc: InProcess, url: str, token: str, prompts: list[str],
             "batch8_ratio": ratio("srv8cl", "in8"), "wave8_ratio": ratio("srv8", "in8")}
 
 
-def served(url: str, token: str, label: str, prompts: list[str], rate_s: float) -> list:
+def served(url: str, token: str, label: str, prompts: list[str], rate_s: float,
+           streams32: bool = False) -> list:
     params = GenParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     scenarios = [Scenario("sync", 1, requests=5), Scenario("concurrency", 8, requests=32),
                  Scenario("rate", 2.0, duration_s=rate_s)]
+    if streams32:  # continuous vs micro where micro's batches of 16 leave half waiting
+        scenarios.insert(2, Scenario("concurrency", 32, requests=64))
     out = []
     for sc in scenarios:
         res = run_scenario(url, token, sc, prompts, params, label=label)
@@ -159,6 +162,11 @@ def per_request_tokens_per_s(res: ScenarioResult) -> float:
 def summary_md(pairs: dict, results: dict[str, list[ScenarioResult]], threads: int) -> str:
     cont = {r.scenario.mode: r for r in results["continuous"]}
     micro = {r.scenario.mode: r for r in results["micro"]}
+    # closed-loop throughput, continuous / micro, at each concurrency both ran
+    closed = {label: {r.scenario.level: r.summary.output_tokens_per_s for r in results[label]
+                      if r.scenario.mode == "concurrency"} for label in ("continuous", "micro")}
+    vs_micro = {n: closed["continuous"][n] / closed["micro"][n]
+                for n in sorted(closed["continuous"]) if n in closed["micro"]}
     ref = {r.scenario.mode: r for r in results["reference"]}
     med = pairs["median"]
     ttft, mttft = cont["rate"].summary.ttft, micro["rate"].summary.ttft
@@ -182,6 +190,10 @@ def summary_md(pairs: dict, results: dict[str, list[ScenarioResult]], threads: i
         ("4. micro mode, Poisson 2 req/s: TTFT p50 / p99", f"{mttft.p50:.3f} / {mttft.p99:.3f} s",
          f"<= reference design, same run: {rttft.p50:.3f} / {rttft.p99:.3f} s (issue: 2.1 / 3.8 s)",
          mttft.p50 <= rttft.p50 and mttft.p99 <= rttft.p99),
+        ("5. closed-loop streams: continuous / micro tok/s",
+         "; ".join(f"{n:g} streams **{r:.2f}** ({closed['continuous'][n]:.1f} vs "
+                   f"{closed['micro'][n]:.1f})" for n, r in vs_micro.items()),
+         ">= 1.0", all(r >= 1.0 for r in vs_micro.values())),
     ]
     lines = [f"# Benchmark summary ({platform.node()}, {threads} torch threads, "
              f"{time.strftime('%Y-%m-%d %H:%M')})", "",
@@ -242,7 +254,7 @@ def main() -> int:
                             ("reference", REFERENCE)):
             url = f"{server.inference_url}/predictions/{name}"
             results[label] = served(url, server.inference_token, label, prompts,
-                                    args.rate_duration)
+                                    args.rate_duration, streams32=label != "reference")
     meta = {"threads": args.threads, "paired_rounds": pairs, "new_tokens": NEW_TOKENS}
     write_report(results, out, meta)
     text = summary_md(pairs, results, args.threads)

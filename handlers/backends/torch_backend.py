@@ -1,12 +1,13 @@
 """Hugging Face transformers on CPU (or CUDA when present), with slot-level batching.
 
-The running sequences share one left-padded KV cache (a DynamicCache with rows in
-order of arrival): newcomers are prefilled together in one left-padded forward (a
-single newcomer needs no padding, so its logits match a plain `generate`), then
-padded and concatenated into the batch; a finished row is cut out and all-padding
-columns on the left are trimmed. Decoding runs the whole
-batch with a 2-D attention mask and explicit per-row position ids, which is how
-`generate` handles left padding.
+The running sequences share one left-padded KV cache (a DynamicCache whose layers
+keep their rows in buffers with room, `_AppendLayer`): newcomers are prefilled
+together in one left-padded forward (a single newcomer needs no padding, so its
+logits match a plain `generate`), then written below the batch, right-aligned; a
+finished row is replaced by the last one and all-padding columns on the left are
+trimmed -- in place, so joins and leaves cost a row, not the cache. Decoding runs
+the whole batch with a 2-D attention mask and explicit per-row position ids, which
+is how `generate` handles left padding.
 
 When newcomers arrive while a batch runs, `step` packs their prompts and the
 running rows' next tokens into one forward (see `_PackedStep`).
