@@ -9,12 +9,14 @@ One run, one machine, the same torch thread count everywhere:
      continuous` and with `batching: micro` (static batches), and the reference Inf2
      design (bench/reference_handler.py) -- each measured single-stream, with 8
      closed-loop streams, and with Poisson arrivals at 2 req/s;
-  3. the device-bound scenario (bench/device_bound.py): a synthetic device of 10 ms and
+  3. paired rounds of closed-loop streams (8 and 32, 3 requests each) through ours,
+     continuous then micro or micro then continuous, ratios per round;
+  4. the device-bound scenario (bench/device_bound.py): a synthetic device of 10 ms and
      5 ms decode steps served through TorchServe, host efficiency at 1-64 streams;
-  4. a side-by-side report (bench.json, bench.md, PNG plots) plus SUMMARY.md with the
+  5. a side-by-side report (bench.json, bench.md, PNG plots) plus SUMMARY.md with the
      issue's targets as measured ratios.
-Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 15 minutes on 2 cores);
-`--only device-bound` (`make bench-device`, a few minutes) reruns just step 3 and replaces
+Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 20 minutes on 2 cores);
+`--only device-bound` (`make bench-device`, a few minutes) reruns just step 4 and replaces
 its part of an existing report.
 """
 
@@ -141,6 +143,28 @@ def paired_rounds(inproc: InProcess, url: str, token: str, prompts: list[str],
             "batch8_ratio": ratio("srv8cl", "in8"), "wave8_ratio": ratio("srv8", "in8")}
 
 
+def continuous_vs_micro(urls: dict[str, str], token: str, prompts: list[str],
+                        rounds: int) -> dict:
+    """Closed-loop tokens/s of the same work through continuous and micro, back to back
+    in each round (the order alternates) so that drift hits both alike."""
+    params = GenParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    runs: dict[str, dict[str, list[float]]] = {}
+    for streams in (8, 32):
+        runs[str(streams)] = per = {"continuous": [], "micro": []}
+        for r in range(rounds):
+            work = (prompts[r:] + prompts)[:3 * streams]
+            for label in sorted(per, reverse=bool(r % 2)):
+                res = run_scenario(urls[label], token, Scenario("concurrency", streams,
+                                                                requests=3 * streams),
+                                   work, params)
+                per[label].append(res.summary.output_tokens_per_s)
+        ratios = [c / m for c, m in zip(per["continuous"], per["micro"], strict=True)]
+        per["ratios"], per["median_ratio"] = ratios, statistics.median(ratios)
+        print(f"  {streams} streams: continuous / micro {per['median_ratio']:.3f} "
+              f"(rounds {' '.join(f'{x:.2f}' for x in ratios)})", flush=True)
+    return runs
+
+
 def served(url: str, token: str, label: str, prompts: list[str], rate_s: float) -> list:
     params = GenParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     scenarios = [Scenario("sync", 1, requests=5), Scenario("concurrency", 8, requests=32),
@@ -161,7 +185,8 @@ def per_request_tokens_per_s(res: ScenarioResult) -> float:
     return statistics.mean(rates)
 
 
-def summary_md(pairs: dict, results: dict[str, list[ScenarioResult]], threads: int) -> str:
+def summary_md(pairs: dict, results: dict[str, list[ScenarioResult]], threads: int,
+               vs_micro: dict) -> str:
     cont = {r.scenario.mode: r for r in results["continuous"]}
     micro = {r.scenario.mode: r for r in results["micro"]}
     ref = {r.scenario.mode: r for r in results["reference"]}
@@ -187,6 +212,11 @@ def summary_md(pairs: dict, results: dict[str, list[ScenarioResult]], threads: i
         ("4. micro mode, Poisson 2 req/s: TTFT p50 / p99", f"{mttft.p50:.3f} / {mttft.p99:.3f} s",
          f"<= reference design, same run: {rttft.p50:.3f} / {rttft.p99:.3f} s (issue: 2.1 / 3.8 s)",
          mttft.p50 <= rttft.p50 and mttft.p99 <= rttft.p99),
+        *((f"5. {n} closed-loop streams (3 requests each): continuous / micro",
+           f"**{v['median_ratio']:.3f}** (rounds: {' '.join(f'{x:.2f}' for x in v['ratios'])}; "
+           f"medians {statistics.median(v['continuous']):.1f} vs "
+           f"{statistics.median(v['micro']):.1f} tok/s)", ">= 1.0", v["median_ratio"] >= 1.0)
+          for n, v in vs_micro.items()),
     ]
     lines = [f"# Benchmark summary ({platform.node()}, {threads} torch threads, "
              f"{time.strftime('%Y-%m-%d %H:%M')})", "",
@@ -209,7 +239,7 @@ def summary_md(pairs: dict, results: dict[str, list[ScenarioResult]], threads: i
 
 def run_cpu(args: argparse.Namespace, checkpoint: Path, prompts: list[str], work: Path
             ) -> tuple[dict[str, list[ScenarioResult]], dict, str]:
-    """Steps 1-2: the bench model in-process and served three ways."""
+    """Steps 1-3: the bench model in-process and served three ways, continuous vs micro."""
     inproc = InProcess(checkpoint, args.threads)
     common = {"threads": args.threads, "max_length": 1024, "max_new_tokens_limit": 512,
               "max_queue": 256}
@@ -232,13 +262,18 @@ def run_cpu(args: argparse.Namespace, checkpoint: Path, prompts: list[str], work
         print("paired rounds: in-process generate vs served (continuous) ...", flush=True)
         pairs = paired_rounds(inproc, cont_url, server.inference_token, prompts, args.rounds)
         print(f"  medians {pairs['median']}", flush=True)
+        print("paired rounds: continuous vs micro, closed loop ...", flush=True)
+        urls = {label: f"{server.inference_url}/predictions/{name}"
+                for label, name in (("continuous", "bench-cont"), ("micro", "bench-micro"))}
+        vs_micro = continuous_vs_micro(urls, server.inference_token, prompts, args.pair_rounds)
         for label, name in (("continuous", "bench-cont"), ("micro", "bench-micro"),
                             ("reference", REFERENCE)):
             url = f"{server.inference_url}/predictions/{name}"
             results[label] = served(url, server.inference_token, label, prompts,
                                     args.rate_duration)
-    meta = {"threads": args.threads, "paired_rounds": pairs, "new_tokens": NEW_TOKENS}
-    return results, meta, summary_md(pairs, results, args.threads)
+    meta = {"threads": args.threads, "paired_rounds": pairs, "new_tokens": NEW_TOKENS,
+            "continuous_vs_micro": vs_micro}
+    return results, meta, summary_md(pairs, results, args.threads, vs_micro)
 
 
 def previous_report(out: Path) -> tuple[dict[str, list[ScenarioResult]], dict, str]:
@@ -267,6 +302,8 @@ def main() -> int:
                     help="run one part; device-bound keeps the CPU part of an existing report")
     ap.add_argument("--device-rounds", type=int, default=3,
                     help="rounds of the device-bound scenario (median reported)")
+    ap.add_argument("--pair-rounds", type=int, default=3,
+                    help="paired continuous/micro closed-loop rounds")
     args = ap.parse_args()
     work, out = Path(args.work), Path(args.out)
     checkpoint = work / "bench-llama"

@@ -1,12 +1,13 @@
 """Hugging Face transformers on CPU (or CUDA when present), with slot-level batching.
 
-The running sequences share one left-padded KV cache (a DynamicCache with rows in
-order of arrival): newcomers are prefilled together in one left-padded forward (a
-single newcomer needs no padding, so its logits match a plain `generate`), then
-padded and concatenated into the batch; a finished row is cut out and all-padding
-columns on the left are trimmed. Decoding runs the whole
-batch with a 2-D attention mask and explicit per-row position ids, which is how
-`generate` handles left padding.
+The running sequences share one left-padded KV cache (a DynamicCache whose layers
+keep their rows in buffers with room, `_AppendLayer`): newcomers are prefilled
+together in one left-padded forward (a single newcomer needs no padding, so its
+logits match a plain `generate`), then written below the batch, right-aligned; a
+finished row is replaced by the last one and all-padding columns on the left are
+trimmed -- in place, so joins and leaves cost a row, not the cache. Decoding runs
+the whole batch with a 2-D attention mask and explicit per-row position ids, which
+is how `generate` handles left padding.
 
 When newcomers arrive while a batch runs, `step` packs their prompts and the
 running rows' next tokens into one forward (see `_PackedStep`).
@@ -36,43 +37,84 @@ logger = logging.getLogger(__name__)
 
 
 class _AppendLayer(DynamicLayer):
-    """A DynamicLayer that appends into spare capacity instead of re-concatenating.
+    """A DynamicLayer kept in buffers with spare rows and columns, so nothing re-copies it.
 
-    `DynamicLayer.update` copies the whole layer cache every step (torch.cat); on the
-    bench model that was ~8% of a decode step. Here `keys`/`values` are prefix views of
-    buffers with room to grow; when the backend replaces them (rows cut out, rows
-    joined) the next update copies them once into fresh buffers.
+    `keys`/`values` are the window `buf[:rows, :, start:end]`. `DynamicLayer.update`
+    re-concatenates the whole cache every step (torch.cat; ~8% of a bench decode step);
+    here a step writes its column into the spare room. The backend's batch operations
+    work in place too: a finished row is overwritten by the last row (`keep`: one row
+    copied, not the cache twice -- a cut, then a regrow at the next step), leading
+    all-padding columns leave by moving `start`, and newcomers are written into spare
+    rows (`add`). Columns of a row left of its first token hold stale but finite values
+    from earlier rows (buffers start zeroed); the attention mask hides them, and a
+    masked position adds exactly zero to SDPA's output, so results do not change.
     """
+
+    _kbuf: torch.Tensor | None = None
+    _vbuf: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [rows, kv_heads, added, head_dim]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if not self._is_view_with_room(key_states):
-            self._regrow(key_states)
-        length, added = self.get_seq_length(), key_states.shape[-2]
-        self._kbuf[:, :, length:length + added] = key_states
-        self._vbuf[:, :, length:length + added] = value_states
-        self.keys = self._kbuf[:, :, :length + added]
-        self.values = self._vbuf[:, :, :length + added]
+        added = key_states.shape[2]
+        if self._kbuf is None:
+            self._rows, self._start, self._end = key_states.shape[0], 0, 0
+            self._reserve(key_states, self._rows, added + max(64, added), 0)
+        elif key_states.shape[0] != self._rows:
+            raise ValueError(f"update of {key_states.shape[0]} rows into a cache of {self._rows}")
+        elif self._end + added > self._kbuf.shape[2]:
+            width = self._end - self._start
+            self._reserve(key_states, self._kbuf.shape[0], width + added + max(64, width), 0)
+        self._kbuf[:self._rows, :, self._end:self._end + added] = key_states
+        self._vbuf[:self._rows, :, self._end:self._end + added] = value_states
+        self._end += added
+        return self._view()
+
+    def keep(self, moves: list[tuple[int, int]], rows: int, trim: int) -> None:
+        """Rows leave: copy row `src` into row `dst` for each move, keep the first `rows`
+        rows and drop `trim` columns on the left."""
+        for dst, src in moves:
+            self._kbuf[dst, :, self._start:self._end] = self._kbuf[src, :, self._start:self._end]
+            self._vbuf[dst, :, self._start:self._end] = self._vbuf[src, :, self._start:self._end]
+        self._rows, self._start = rows, self._start + trim
+        self._view()
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Newcomers' cache [n, kv_heads, L, head_dim] joins below the rows, right-aligned;
+        the window widens on the left when L is wider than it."""
+        n, length = keys.shape[0], keys.shape[2]
+        rows, grow = self._rows + n, max(0, length - (self._end - self._start))
+        if rows > self._kbuf.shape[0] or grow > self._start:
+            width = self._end - self._start
+            room = max(rows, 2 * self._kbuf.shape[0])  # amortized doubling, as for columns
+            self._reserve(keys, room, grow + width + max(64, width), grow)
+        self._start -= grow
+        self._kbuf[self._rows:rows, :, self._end - length:self._end] = keys
+        self._vbuf[self._rows:rows, :, self._end - length:self._end] = values
+        self._rows = rows
+        self._view()
+
+    def cut(self, width: int) -> None:
+        """Back to `width` columns (a failed packed step appended to some layers)."""
+        self._end = min(self._end, self._start + width)
+        self._view()
+
+    def _reserve(self, like: torch.Tensor, rows: int, columns: int, left: int) -> None:
+        """Fresh zeroed buffers; the window moves to column `left`."""
+        shape = (rows, like.shape[1], columns, like.shape[3])
+        kbuf, vbuf = like.new_zeros(shape), like.new_zeros(shape)
+        width = self._end - self._start
+        if self._kbuf is not None and width:
+            kbuf[:self._rows, :, left:left + width] = self.keys
+            vbuf[:self._rows, :, left:left + width] = self.values
+        self._kbuf, self._vbuf, self._start, self._end = kbuf, vbuf, left, left + width
+
+    def _view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = self._kbuf[:self._rows, :, self._start:self._end]
+        self.values = self._vbuf[:self._rows, :, self._start:self._end]
         return self.keys, self.values
-
-    def _is_view_with_room(self, new: torch.Tensor) -> bool:
-        buf = getattr(self, "_kbuf", None)
-        return (buf is not None and self.keys.data_ptr() == buf.data_ptr()
-                and self.keys.shape[:2] == buf.shape[:2] == new.shape[:2]
-                and self.keys.shape[2] + new.shape[2] <= buf.shape[2])
-
-    def _regrow(self, new: torch.Tensor) -> None:
-        length = self.get_seq_length()
-        capacity = length + new.shape[-2] + max(64, length)  # amortized doubling
-        shape = (*new.shape[:2], capacity, new.shape[-1])
-        self._kbuf = new.new_empty(shape)
-        self._vbuf = new.new_empty(shape)
-        if length:
-            self._kbuf[:, :, :length] = self.keys
-            self._vbuf[:, :, :length] = self.values
-        self.keys, self.values = self._kbuf[:, :, :length], self._vbuf[:, :, :length]
 
 
 PACKED_ATTENTION = "inf2serve_packed_sdpa"
@@ -289,26 +331,41 @@ class TorchBackend(Backend):
 
     def _truncate(self, length: int) -> None:
         for layer in self._cache.layers:
-            if layer.is_initialized and layer.keys.shape[2] > length:
+            if isinstance(layer, _AppendLayer) and layer._kbuf is not None:
+                layer.cut(length)
+            elif layer.is_initialized and layer.keys.shape[2] > length:
                 layer.keys = layer.keys[:, :, :length]
                 layer.values = layer.values[:, :, :length]
 
+    @torch.inference_mode()
     def release(self, slots: Sequence[int]) -> None:
-        gone = set(slots)
-        keep = [i for i, r in enumerate(self._rows) if r.slot not in gone]
-        if len(keep) == len(self._rows):
+        """Rows leave; the last rows move into their places (one row copied per leaver, in
+        the cache's own buffers) and leading all-padding columns are trimmed."""
+        leaving = set(slots)
+        gone = {i for i, r in enumerate(self._rows) if r.slot in leaving}
+        if not gone:
             return
-        self._rows = [self._rows[i] for i in keep]
-        if not keep:
-            self._cache, self._mask = None, None
+        rows = len(self._rows) - len(gone)
+        if not rows:
+            self._rows, self._cache, self._mask = [], None, None
             return
-        index = torch.tensor(keep, device=self.device)
-        self._mask = self._mask[index]
-        trim = int((self._mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading pad cols
-        self._mask = self._mask[:, trim:]
+        # holes among the first `rows` rows take the kept rows from beyond them
+        moves = list(zip(sorted(i for i in gone if i < rows),
+                         [i for i in range(rows, len(self._rows)) if i not in gone], strict=True))
+        order = list(range(rows))
+        for dst, src in moves:
+            order[dst] = src
+        self._rows = [self._rows[i] for i in order]
+        mask = self._mask[order]
+        trim = int((mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading pad cols
+        self._mask = mask[:, trim:]
+        index = torch.tensor(order, device=self.device)
         for layer in self._cache.layers:
-            layer.keys = layer.keys[index, :, trim:]
-            layer.values = layer.values[index, :, trim:]
+            if isinstance(layer, _AppendLayer):
+                layer.keep(moves, rows, trim)
+            else:
+                layer.keys = layer.keys[index, :, trim:]
+                layer.values = layer.values[index, :, trim:]
 
     def warmup(self) -> None:
         """One short prefill + decode so the first request does not pay for lazy init."""
@@ -325,7 +382,7 @@ class TorchBackend(Backend):
         return cache
 
     def _append_rows(self, cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Left-pad the new rows or the batch to a common length and concatenate."""
+        """The new rows join below the batch, both right-aligned (left-padded) to the wider."""
         if self._cache is None:
             self._cache, self._mask = cache, mask
             return
@@ -333,6 +390,9 @@ class TorchBackend(Backend):
         grow_batch, grow_new = width - self._mask.shape[1], width - mask.shape[1]
         self._mask = torch.cat([F.pad(self._mask, (grow_batch, 0)), F.pad(mask, (grow_new, 0))])
         for mine, new in zip(self._cache.layers, cache.layers, strict=True):
+            if isinstance(mine, _AppendLayer):
+                mine.add(new.keys, new.values)
+                continue
             # keys/values: [B, kv_heads, T, head_dim]; pad dim 2 on the left
             mine.keys = torch.cat([F.pad(mine.keys, (0, 0, grow_batch, 0)),
                                    F.pad(new.keys, (0, 0, grow_new, 0))])

@@ -154,23 +154,106 @@ def test_misuse_is_rejected(setup):
     backend.release([0])
 
 
-def test_append_layer_matches_concatenation_without_copying_every_step():
+def test_append_layer_steps_leaves_and_joins_work_in_its_own_buffers():
     from handlers.backends.torch_backend import _AppendLayer
 
     torch.manual_seed(0)
-    layer, ref = _AppendLayer(), None
-    chunks = [torch.randn(3, 2, n, 4) for n in (5, 1, 1, 1)]
-    buffers = set()
-    for chunk in chunks:
-        keys, values = layer.update(chunk, -chunk)
-        ref = chunk if ref is None else torch.cat([ref, chunk], dim=2)
-        assert torch.equal(keys, ref) and torch.equal(values, -ref)
-        buffers.add(layer._kbuf.data_ptr())
-    assert len(buffers) == 1  # one-token steps wrote into the spare room
+    layer = _AppendLayer()
+    rows: list[torch.Tensor] = []  # each row's real tokens [heads, length, d], right-aligned
 
-    # the backend cuts a row out and trims a column: the next update adopts the new tensors
-    layer.keys, layer.values = ref[[0, 2], :, 1:], -ref[[0, 2], :, 1:]
-    step = torch.randn(2, 2, 1, 4)
-    keys, values = layer.update(step, -step)
-    want = torch.cat([ref[[0, 2], :, 1:], step], dim=2)
-    assert torch.equal(keys, want) and torch.equal(values, -want)
+    def check() -> None:
+        keys, values = layer.keys, layer.values
+        assert keys.shape[:2] == (len(rows), 2)
+        assert keys.shape[2] == max(r.shape[1] for r in rows)  # the window: the longest row
+        for i, row in enumerate(rows):
+            assert torch.equal(keys[i, :, keys.shape[2] - row.shape[1]:], row)
+            assert torch.equal(values[i, :, keys.shape[2] - row.shape[1]:], -row)
+        assert torch.isfinite(keys).all() and torch.isfinite(values).all()  # padding too
+
+    def step() -> None:
+        nonlocal rows
+        new = torch.randn(len(rows), 2, 1, 4)
+        keys, values = layer.update(new, -new)
+        assert keys is layer.keys and values is layer.values
+        rows = [torch.cat([r, new[i]], dim=1) for i, r in enumerate(rows)]
+        check()
+
+    def leave(*gone: int) -> None:  # as the backend does: the last rows fill the holes
+        nonlocal rows
+        kept = len(rows) - len(gone)
+        moves = list(zip(sorted(i for i in gone if i < kept),
+                         [i for i in range(kept, len(rows)) if i not in gone], strict=True))
+        width = max(r.shape[1] for r in rows)
+        order = list(range(kept))
+        for dst, src in moves:
+            order[dst] = src
+        rows = [rows[i] for i in order]
+        layer.keep(moves, kept, width - max(r.shape[1] for r in rows))
+        check()
+
+    def join(n: int, length: int) -> None:
+        nonlocal rows
+        new = torch.randn(n, 2, length, 4)
+        layer.add(new, -new)
+        rows += list(new)
+        check()
+
+    first = torch.randn(3, 2, 5, 4)
+    layer.update(first, -first)
+    rows = list(first)
+    buffer = layer._kbuf.data_ptr()
+    for _ in range(3):
+        step()
+    assert layer._kbuf.data_ptr() == buffer  # one-token steps wrote into the spare room
+    join(1, 3)  # narrower than the window: right-aligned under it, in a fresh row
+    step()
+    leave(0, 1)  # two of the longest leave: row 3 fills a hole, columns trimmed
+    leave(1)  # the last row leaves: nothing moves
+    join(2, 4)  # wider than the window, room on the left: the window widens in place
+    step()
+    leave(0)
+    join(3, 40)  # wider than all the room there is, and more rows: fresh buffers
+    for _ in range(70):  # past the spare columns
+        step()
+    leave(0, 2, 3)
+    join(1, 2)
+    step()
+    layer.cut(layer.keys.shape[2] - 1)  # a failed packed step's append, undone
+    rows = [r[:, :-1] for r in rows]
+    check()
+
+
+def test_rows_leaving_and_joining_in_every_order_match_generate(setup):
+    """Leaves that move rows and trim columns, then joins narrower and wider than the
+    batch -- by prefill and by packed step, more rows than at the start."""
+    backend, tok, model = setup
+    texts = PROMPTS + ["A", "The quick brown fox jumps over the lazy dog again and again and "
+                       "again until the end of the long day", "Hi", "Numbers: 1 2 3 4 5 6"]
+    ids = [tok(t)["input_ids"] for t in texts]
+    lengths = [5, 9, 3, 14, 7, 6, 11, 4]  # new tokens per sequence: they leave staggered
+    want = [reference(model, x, n, do_sample=False) for x, n in zip(ids, lengths, strict=True)]
+    got: dict[int, list[int]] = {}
+    sps = [SamplingParams(min_new_tokens=n) for n in lengths]
+    joins = {0: [0, 1, 2], 2: [3], 4: [4, 5], 5: [6], 9: [7]}
+    for step in range(40):
+        backend.release([s for s in got if len(got[s]) == lengths[s]])
+        running = [s for s in got if len(got[s]) < lengths[s]]
+        new = joins.get(step, [])
+        if new and running and step % 2:  # joins at odd steps ride along the decode
+            first, following = backend.step(new, [ids[s] for s in new],
+                                            [sps[s] for s in new], running)
+            for slot, token in zip(new + running, first + following, strict=True):
+                got.setdefault(slot, []).append(token)
+            continue
+        if new:
+            for slot, token in zip(new, backend.prefill(new, [ids[s] for s in new],
+                                                        [sps[s] for s in new]), strict=True):
+                got[slot] = [token]
+        running += new  # as the engine does: the newcomers decode in the same step
+        if running:
+            for slot, token in zip(running, backend.decode(running), strict=True):
+                got[slot].append(token)
+        if len(got) == len(ids) and not running:
+            break
+    backend.release(list(got))
+    assert [got[i] for i in range(len(ids))] == want
