@@ -278,3 +278,36 @@ def test_inline_mode_runs_the_model_in_the_worker(tiny_checkpoint):
         assert isinstance(done, FinishEvent) and done.completion_tokens == 6
     finally:
         service.engine.stop()
+
+
+@pytest.mark.parametrize("backend", ["neuron", "nxdi"])
+def test_the_worker_holds_the_core_claim_of_both_neuron_backends(backend, monkeypatch, tmp_path):
+    """The claim outlives engine processes (a restart gets the same cores); a failed start
+    gives it back."""
+    from handlers import engine_client
+
+    config = parse_config({"handler": {"backend": backend, "max_length": 64,
+                                       "max_new_tokens_limit": 32,
+                                       "defaults": {"max_new_tokens": 16}, "neuron": {
+        "tp_degree": 2, "cores_per_instance": 4, "core_lock_dir": str(tmp_path)}}})
+    claims, released = [], []
+
+    class Claim:
+        cores = (2, 3)
+
+        def release(self) -> None:
+            released.append(self)
+
+    def claim(settings, available):
+        claims.append(list(available))
+        return Claim()
+
+    def launch(cls, spec, *args):
+        assert spec.cores == (2, 3)  # the engine process is told which cores to use
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(engine_client, "claim_cores", claim)
+    monkeypatch.setattr(engine_client.EngineClient, "launch", classmethod(launch))
+    with pytest.raises(RuntimeError, match="stop here"):
+        engine_client.EngineClient.start(config, tmp_path)
+    assert claims == [[0, 1, 2, 3]] and len(released) == 1
