@@ -17,9 +17,13 @@ happens inside the backend, next to the logits.
 
 from __future__ import annotations
 
+import importlib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 GREEDY_BELOW = 1e-5
 
@@ -81,3 +85,36 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release devices and locks."""
+
+
+def read_eos_ids(checkpoint: Path, model_config: dict[str, Any]) -> frozenset[int]:
+    """EOS ids from generation_config.json (what generate uses), else config.json."""
+    eos = None
+    gen = checkpoint / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+    if eos is None:
+        eos = model_config.get("eos_token_id")
+    return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
+def import_sdk_class(package: str, name: str, *, sdk: tuple[str, ...], backend: str,
+                     key: str, example: str, install: str) -> type:
+    """`package`.`name` ("module.Class") from a Neuron SDK library: a missing SDK package
+    (one of `sdk`) -> NeuronUnavailableError with the install hint; a bad name ->
+    ConfigError naming the config `key`."""
+    from handlers.errors import ConfigError, NeuronUnavailableError
+
+    try:
+        importlib.import_module(package)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in sdk:
+            raise NeuronUnavailableError(f"handler.backend is {backend} but {exc.name} is not "
+                                         f"installed; {install}") from exc
+        raise
+    module_name, _, cls_name = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(f"{package}.{module_name}"), cls_name)
+    except (ModuleNotFoundError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{key}: {name!r} is not a class of {package}; expected {example}"
+                          ) from exc

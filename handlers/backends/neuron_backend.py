@@ -14,9 +14,7 @@ Two runners, picked by handler.batching:
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import json
 import logging
 import queue
 import threading
@@ -25,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from handlers.backends.base import Backend, SamplingParams
+from handlers.backends.base import Backend, SamplingParams, import_sdk_class, read_eos_ids
 from handlers.config import HandlerConfig
-from handlers.errors import ConfigError, GenerationError, NeuronUnavailableError, RequestError
+from handlers.errors import ConfigError, GenerationError, RequestError
 from handlers.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
 from handlers.neuron_env import apply_neuron_env, cache_root, neuron_env
 from neuron_cache.compile import compile_or_load
@@ -43,20 +41,11 @@ STEP_TIMEOUT_S = 600.0  # one sample() step; beyond this the SDK thread is consi
 
 def resolve_model_class(name: str) -> type:
     """"llama.model.LlamaForSampling" -> transformers_neuronx.llama.model.LlamaForSampling."""
-    try:
-        importlib.import_module("transformers_neuronx")
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] in ("transformers_neuronx", "torch_neuronx"):
-            raise NeuronUnavailableError(f"handler.backend is neuron but {exc.name} is not "
-                                         f"installed; {INSTALL}") from exc
-        raise
-    module_name, _, cls_name = name.rpartition(".")
-    try:
-        return getattr(importlib.import_module(f"transformers_neuronx.{module_name}"), cls_name)
-    except (ModuleNotFoundError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"handler.neuron.model_class_name: {name!r} is not a class of "
-                          "transformers_neuronx; expected '<module>.<Class>', e.g. "
-                          "'llama.model.LlamaForSampling'") from exc
+    return import_sdk_class("transformers_neuronx", name,
+                            sdk=("transformers_neuronx", "torch_neuronx"), backend="neuron",
+                            key="handler.neuron.model_class_name",
+                            example="'<module>.<Class>', e.g. 'llama.model.LlamaForSampling'",
+                            install=INSTALL)
 
 
 def check_keywords(fn: Any, names: Sequence[str], what: str) -> None:
@@ -100,17 +89,6 @@ def build_neuron_config(spec: dict[str, Any], compilation_worker_count: int = 0)
                               "set it to 0 (compile every graph at once)")
         kwargs["compilation_worker_count"] = compilation_worker_count
     return NeuronConfig(**kwargs)
-
-
-def read_eos_ids(checkpoint: Path, model_config: dict[str, Any]) -> frozenset[int]:
-    """EOS ids from generation_config.json (what generate uses), else config.json."""
-    eos = None
-    gen = checkpoint / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-    if eos is None:
-        eos = model_config.get("eos_token_id")
-    return frozenset([eos] if isinstance(eos, int) else (eos or []))
 
 
 class NeuronBackend(Backend):

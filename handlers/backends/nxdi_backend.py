@@ -16,7 +16,6 @@ Citations: aws-neuron/neuronx-distributed-inference@cd3abf3:src/neuronx_distribu
 
 from __future__ import annotations
 
-import importlib
 import logging
 import shutil
 import tempfile
@@ -24,10 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from handlers.backends.base import Backend, SamplingParams
-from handlers.backends.neuron_backend import read_eos_ids
+from handlers.backends.base import Backend, SamplingParams, import_sdk_class, read_eos_ids
 from handlers.config import HandlerConfig
-from handlers.errors import ConfigError, GenerationError, NeuronUnavailableError, RequestError
+from handlers.errors import ConfigError, GenerationError, RequestError
 from handlers.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
 from handlers.neuron_env import apply_neuron_env, cache_root, neuron_env
 from neuron_cache.compile import compile_or_load
@@ -44,20 +42,10 @@ INSTALL = ("install NxD Inference from the AWS Neuron repository on an Inf2 host
 
 def resolve_model_class(name: str) -> type:
     """"models.llama.modeling_llama.NeuronLlamaForCausalLM" -> the class in the SDK."""
-    try:
-        importlib.import_module(PACKAGE)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] in (PACKAGE, "neuronx_distributed", "torch_neuronx"):
-            raise NeuronUnavailableError(f"handler.backend is nxdi but {exc.name} is not "
-                                         f"installed; {INSTALL}") from exc
-        raise
-    module_name, _, cls_name = name.rpartition(".")
-    try:
-        return getattr(importlib.import_module(f"{PACKAGE}.{module_name}"), cls_name)
-    except (ModuleNotFoundError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"handler.nxdi.model_class: {name!r} is not a class of {PACKAGE}; "
-                          "expected e.g. 'models.llama.modeling_llama.NeuronLlamaForCausalLM'"
-                          ) from exc
+    return import_sdk_class(PACKAGE, name, sdk=(PACKAGE, "neuronx_distributed", "torch_neuronx"),
+                            backend="nxdi", key="handler.nxdi.model_class",
+                            example="e.g. 'models.llama.modeling_llama.NeuronLlamaForCausalLM'",
+                            install=INSTALL)
 
 
 def build_neuron_config(spec: dict[str, Any]) -> Any:

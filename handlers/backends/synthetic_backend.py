@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from handlers.backends.base import Backend, SamplingParams
+from handlers.backends.base import Backend, SamplingParams, read_eos_ids
 from handlers.backends.synthetic_timing import DeviceTiming, resolve_timing
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, RequestError
@@ -90,16 +90,10 @@ def read_checkpoint_ids(checkpoint: Path) -> tuple[int, frozenset[int]]:
     if not cfg_path.is_file():
         raise ConfigError(f"handler.checkpoint: {checkpoint} has no config.json")
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    eos = None
-    gen = checkpoint / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-    if eos is None:
-        eos = cfg.get("eos_token_id")
     vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
     if not isinstance(vocab, int):
         raise ConfigError(f"handler.checkpoint: {cfg_path} has no integer vocab_size")
-    return vocab, frozenset([eos] if isinstance(eos, int) else (eos or []))
+    return vocab, read_eos_ids(checkpoint, cfg)
 
 
 @dataclass
