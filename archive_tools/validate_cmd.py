@@ -282,19 +282,24 @@ def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
     if not instance:
         report.notes.append("no --instance: cores and host memory not checked")
         return report
-    where, fe = INSTANCES[instance], cfg.frontend
-    need = fe.max_workers * n.tp_degree
-    if n.tp_degree <= where.cores < need:
-        report.problems.append(f"NeuronCores: maxWorkers {fe.max_workers} x tp_degree "
-                               f"{n.tp_degree} = {need} cores, but {instance} has {where.cores}; "
-                               "lower maxWorkers or tp_degree, or use a larger instance")
-    if n.cores_per_instance and n.cores_per_instance != where.cores:
-        report.problems.append(f"handler.neuron.cores_per_instance {n.cores_per_instance} != "
-                               f"{where.cores} cores of {instance}; set it to {where.cores} or 0 "
-                               "(detect)")
+    report.problems += check_cores(cfg, instance)
     if arch is not None and not arch.heads % arch.kv_heads:
         _merge(report, check_host_memory(cfg, arch, instance, weights or Weights()))
     return report
+
+
+def check_cores(cfg: ModelConfig, instance: str) -> list[str]:
+    """NeuronCores on `instance` for every worker (both Neuron backends)."""
+    n, where, fe = cfg.handler.neuron, INSTANCES[instance], cfg.frontend
+    need, problems = fe.max_workers * n.tp_degree, []
+    if n.tp_degree <= where.cores < need:
+        problems.append(f"NeuronCores: maxWorkers {fe.max_workers} x tp_degree {n.tp_degree} = "
+                        f"{need} cores, but {instance} has {where.cores}; lower maxWorkers or "
+                        "tp_degree, or use a larger instance")
+    if n.cores_per_instance and n.cores_per_instance != where.cores:
+        problems.append(f"handler.neuron.cores_per_instance {n.cores_per_instance} != "
+                        f"{where.cores} cores of {instance}; set it to {where.cores} or 0 (detect)")
+    return problems
 
 
 def validate_nxdi(cfg: ModelConfig, arch: Arch | None, instance: str | None,
@@ -336,14 +341,8 @@ def validate_nxdi(cfg: ModelConfig, arch: Arch | None, instance: str | None,
     if not instance:
         report.notes.append("no --instance: cores and host memory not checked")
         return report
+    report.problems += check_cores(cfg, instance)
     where, fe = INSTANCES[instance], cfg.frontend
-    need = fe.max_workers * n.tp_degree
-    if n.tp_degree <= where.cores < need:
-        report.problems.append(f"NeuronCores: maxWorkers {fe.max_workers} x tp_degree "
-                               f"{n.tp_degree} = {need} cores, but {instance} has {where.cores}")
-    if n.cores_per_instance and n.cores_per_instance != where.cores:
-        report.problems.append(f"handler.neuron.cores_per_instance {n.cores_per_instance} != "
-                               f"{where.cores} cores of {instance}; set it to {where.cores} or 0")
     load = nx.host_load_gib(arch, n.amp, fe.max_workers)
     report.notes.append(f"host memory (estimate): loading {load:.1f} GiB of {where.host_gib} GiB "
                         "(weights sharded on the host at every start); compile memory of NxD's "
