@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from handlers import worker_service
 from handlers.apis import Immediate, NativeApi, select_api
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig, parse_config
@@ -211,6 +212,8 @@ class GenerationHandler:
 
     def initialize(self, context: Any) -> None:
         config = parse_config(context.model_yaml_config)
+        if config.handler.worker_service == "inf2serve" and worker_service.install():
+            logger.info("TorchServe's async requests run through handlers/worker_service.py")
         model_dir = Path(context.system_properties["model_dir"])
         overridden = type(self).make_backend is not GenerationHandler.make_backend
         self.service = GenerationService.create(
