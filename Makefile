@@ -34,7 +34,8 @@ NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
 	tests/unit/test_validate_cmd.py tests/unit/test_config.py tests/unit/test_scheduler.py \
 	tests/unit/test_engine.py tests/unit/test_request.py tests/unit/test_detokenize.py \
 	tests/unit/test_openai_api.py tests/unit/test_engine_client.py tests/unit/test_nxdi_*.py \
-	tests/unit/test_synthetic_backend.py tests/e2e/test_synthetic_e2e.py \
+	tests/unit/test_synthetic_backend.py tests/unit/test_worker_service.py tests/unit/test_prompt_encoder.py \
+	tests/e2e/test_synthetic_e2e.py \
 	tests/e2e/test_neuron_e2e.py tests/e2e/test_worker_death_e2e.py
 
 .PHONY: install overlays demo stop test test-main test-neuron-stack lint bench bench-device clean
