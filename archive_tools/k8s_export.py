@@ -28,7 +28,7 @@ import yaml
 
 from archive_tools.k8s_plan import PodPlan
 
-VERSION = "0.1.0"  # pyproject's version: the base image tag carries it
+VERSION = "0.1.0"  # pyproject's version (a test checks): the base image tag carries it
 INFERENCE_PORT, MANAGEMENT_PORT, METRICS_PORT = 8080, 8081, 8082
 CONFIG_DIR = "/etc/inf2serve"
 MODEL_STORE = "/models/model-store"

@@ -279,3 +279,15 @@ def test_probe_script(monkeypatch) -> None:
         server.shutdown()
     monkeypatch.setitem(glb, "INFERENCE", "http://127.0.0.1:1")
     assert main_(["probe", "live"]) == 1  # refused
+
+
+def test_base_image_profiles_exist_in_the_dockerfile(exported: dict[str, Path]) -> None:
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    profiles = set(re.findall(r"^\s+(\w+)\) pip install", dockerfile, re.M))
+    for out in exported.values():
+        tag = json.loads((out / "plan.json").read_text())["base_image"]
+        assert tag.startswith(f"inf2serve-base:{k8s_export.VERSION}-")
+        assert tag.rsplit("-", 1)[1] in profiles, (tag, profiles)
+    assert {"neuron", "nxdi", "gpu", "cpu"} <= profiles
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'\nversion = "{k8s_export.VERSION}"\n' in pyproject  # the tag follows the release
