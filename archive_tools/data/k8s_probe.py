@@ -1,7 +1,9 @@
 """Kubernetes probe for TorchServe 0.12, run in the container (stdlib only).
 
     python3 probe.py live         GET /ping on the inference port: 200 until a worker stays
-                                  down past maxRetryTimeoutInSec (ApiUtils.isModelHealthy)
+                                  down past maxRetryTimeoutInSec (pytorch/serve@v0.12.0:
+                                  frontend/server/src/main/java/org/pytorch/serve/util/
+                                  ApiUtils.java:382-397, wlm/WorkerThread.java:575-582)
     python3 probe.py ready MODEL  GET /models/MODEL on the loopback management API: at least
                                   one worker READY (/ping is 200 while workers still load)
 
