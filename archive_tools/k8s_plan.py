@@ -123,13 +123,13 @@ def plan_pod(cfg: ModelConfig, *, arch: Arch | None = None, weights: Weights | N
     workers = fe.max_workers
     startup = fe.startup_timeout + FRONTEND_START_S
     shm = SHM_GIB_PER_WORKER * workers
-    if kind != "neuron":
+    if kind != "neuron":  # torch (or synthetic): the GPU plugin's resource, or none
         gpu = kind == "gpu"
-        threads = h.threads or 1
-        return PodPlan(kind, NVIDIA_GPU if gpu else None, workers if gpu else 0,
-                       torch_host_gib(cfg, checkpoint_bytes), "weights as stored", 1 + workers * (
-                           1 if gpu else threads), shm, (instance,) if instance else (), startup,
-                       cache_warm)
+        return PodPlan(
+            kind, NVIDIA_GPU if gpu else None, workers if gpu else 0,
+            torch_host_gib(cfg, checkpoint_bytes), "weights as stored",
+            cpu=1 + workers * (1 if gpu else h.threads or 1), shm_gib=shm,
+            instances=(instance,) if instance else (), startup_s=startup, cache_warm=cache_warm)
     n = h.neuron
     if arch is None:
         raise ConfigError("handler.neuron.architecture: unset and the archive has no config.json; "
@@ -156,8 +156,9 @@ def plan_pod(cfg: ModelConfig, *, arch: Arch | None = None, weights: Weights | N
         warnings.append("the archive's compile cache is empty: every pod compiles at every "
                         f"start (startupTimeout {fe.startup_timeout} s); run `inf2serve compile` "
                         "on an Inf2 host before exporting")
-    return PodPlan("neuron", NEURONCORE, devices, memory, source, 1 + workers, shm,
-                   (instance,) if instance else fits, startup, cache_warm, tuple(warnings))
+    return PodPlan("neuron", NEURONCORE, devices, memory, source, cpu=1 + workers, shm_gib=shm,
+                   instances=(instance,) if instance else fits, startup_s=startup,
+                   cache_warm=cache_warm, warnings=tuple(warnings))
 
 
 def plan_archive(snap: Snapshot, cfg: ModelConfig, cache_entries: int,

@@ -277,6 +277,7 @@ def test_probe_script(monkeypatch) -> None:
         assert main_(["probe", "live"]) == 1
     finally:
         server.shutdown()
+        _FakeTorchServe.ping, _FakeTorchServe.workers = 200, [{"status": "LOADING"}]
     monkeypatch.setitem(glb, "INFERENCE", "http://127.0.0.1:1")
     assert main_(["probe", "live"]) == 1  # refused
 
@@ -291,3 +292,21 @@ def test_base_image_profiles_exist_in_the_dockerfile(exported: dict[str, Path]) 
     assert {"neuron", "nxdi", "gpu", "cpu"} <= profiles
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'\nversion = "{k8s_export.VERSION}"\n' in pyproject  # the tag follows the release
+
+
+def test_a_filled_cache_sizes_for_loading(exported: dict[str, Path], tmp_path: Path,
+                                          capsys) -> None:
+    archive = tmp_path / "tiny-neuron"
+    shutil.copytree(exported["neuron"] / "model-store" / "tiny-neuron", archive)
+    entry = archive / "neuron_cache" / "llama-tp2-0123456789ab"  # what neuron_cache writes
+    entry.mkdir(parents=True)
+    (entry / "metadata.json").write_text(json.dumps({"inputs": {"tp_degree": 2}, "files": {}}))
+    cold = json.loads((exported["neuron"] / "plan.json").read_text())
+    capsys.readouterr()
+    assert main(["export", "--target", "kubernetes", str(archive), str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    warm = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert warm["cache_warm"] and warm["memory_source"] == "loading"
+    assert cold["memory_source"] == "compiling (cold cache)"
+    assert warm["memory_gib"] < cold["memory_gib"]  # no neuronx-cc processes to hold
+    assert "compile cache is empty" not in printed and "x aws.amazon.com/neuroncore" in printed
