@@ -8,8 +8,9 @@ Device resources are the Neuron device plugin's: `aws.amazon.com/neuroncore` (on
 NeuronCore) or `aws.amazon.com/neuron` (a whole device, all its cores)
 (aws-neuron/aws-neuron-sdk@81ce03ae:deploy/includes/k8s-neuron-device-plugin.rst:3-6).
 A pod asks for `tp_degree x maxWorkers` NeuronCores; the plugin passes the allocated
-cores in NEURON_RT_VISIBLE_CORES (deploy/infrastructure/scheduler-flow.rst:45), from
-which each worker claims its block (handlers/neuron_cores.py). Cores must be
+devices and cores (NEURON_RT_VISIBLE_CORES) to the container (deploy/infrastructure/
+scheduler-flow.rst:45, 58-60), from which each worker claims its block
+(handlers/neuron_cores.py). Cores must be
 contiguous, which only the Neuron scheduler extension guarantees (deploy/faq.rst:55-59).
 """
 
