@@ -16,7 +16,10 @@ kserve: the layout KServe's TorchServe runtime mounts at /mnt/models:
     config/config.properties   (model_snapshot names the archive)
     model-store/<archive>
 
-Both disable TorchServe's token auth: the platform authenticates callers (IAM,
+kubernetes: manifests for EKS (or any cluster) running stock TorchServe from a model
+image that holds model-store/ (archive_tools/k8s_export.py says what each object does).
+
+All three disable TorchServe's token auth: the platform authenticates callers (IAM,
 the cluster's ingress) and only it can reach the container's port.
 """
 
@@ -28,9 +31,12 @@ from pathlib import Path
 
 from archive_tools.fileops import copy_path, human, progress_bar, staged
 from archive_tools.inspect_cmd import scan, summarize
+from archive_tools.k8s_export import K8sOptions, next_steps_k8s, write_manifests
+from archive_tools.k8s_plan import plan_archive
+from handlers.config import parse_config
 from handlers.errors import Inf2ServeError
 
-TARGETS = ("sagemaker", "kserve")
+TARGETS = ("sagemaker", "kserve", "kubernetes")
 SERVE_SCRIPT = """#!/bin/sh
 # SageMaker starts the container with the argument `serve`; run TorchServe in the foreground.
 set -e
@@ -119,22 +125,26 @@ spec:
 
 
 def export(archive: Path, out: Path, target: str, *, force: bool = False, link: bool = False,
-           show_progress: bool = False) -> tuple[Path, str]:
+           show_progress: bool = False, k8s: K8sOptions | None = None) -> tuple[Path, str]:
     """Write the platform layout to `out` (atomically); returns (out, next steps)."""
     archive, out = Path(archive), Path(out)
     if target not in TARGETS:
         raise Inf2ServeError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
     if not archive.exists():
         raise Inf2ServeError(f"ARCHIVE {archive}: no such file or directory")
-    summary = summarize(scan(archive))  # validates manifest and config first
+    snap = scan(archive)
+    summary = summarize(snap)  # validates manifest and config first
     name = summary["manifest"]["model"]["modelName"]
     cfg = summary["config"]
+    if target == "kubernetes":
+        k8s = k8s or K8sOptions()
+        plan = plan_archive(snap, parse_config(cfg), len(summary["cache"]), k8s.instance)
     if out.exists() and not force:
         raise Inf2ServeError(f"OUT {out} exists; pass --force to replace it")
     if archive.resolve() == out.resolve() or out.resolve() in archive.resolve().parents:
         raise Inf2ServeError(f"OUT {out}: must not contain ARCHIVE; pick another directory")
     with staged(out) as built:
-        store = built if target == "sagemaker" else built / "model-store"
+        store = built if target == "sagemaker" else built / "model-store"  # kserve, kubernetes
         store.mkdir(parents=True)
         files = [p for p in sorted(archive.rglob("*")) if p.is_file()] if archive.is_dir() \
             else [archive]
@@ -151,18 +161,31 @@ def export(archive: Path, out: Path, target: str, *, force: bool = False, link: 
             serve = built / "serve"
             serve.write_text(SERVE_SCRIPT.format(spec=f"{name}={archive.name}"))
             serve.chmod(0o755)
+        elif target == "kubernetes":
+            write_manifests(built, name, archive.name, cfg, plan, image=k8s.image_for(name),
+                            replicas=k8s.replicas, namespace=k8s.namespace)
         else:
             (built / "config").mkdir()
             (built / "config" / "config.properties").write_text(
                 kserve_properties(name, archive.name, cfg))
         for d in [built, *(p for p in built.rglob("*") if p.is_dir())]:
             d.chmod(0o755)
+    if target == "kubernetes":
+        return out, next_steps_k8s(out, name, cfg, plan, k8s)
     return out, next_steps(target, name, out, cfg)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.target != "kubernetes" and (args.image or args.replicas or args.instance
+                                        or args.namespace):
+        raise Inf2ServeError("--image, --replicas, --instance and --namespace are for "
+                             "--target kubernetes")
+    if args.replicas is not None and args.replicas < 1:
+        raise Inf2ServeError(f"--replicas {args.replicas}: must be 1 or more")
+    k8s = K8sOptions(args.image or "", args.replicas or 1, args.instance,
+                     args.namespace or "default")
     out, steps = export(Path(args.archive), Path(args.out), args.target, force=args.force,
-                        link=args.link, show_progress=True)
+                        link=args.link, show_progress=True, k8s=k8s)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"exported for {args.target}: {out} ({human(size)})")
     print(steps)
@@ -171,12 +194,16 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "export", help="lay an archive out for SageMaker or KServe and print the next step",
+        "export", help="lay an archive out for SageMaker, KServe or Kubernetes and print the "
+        "next step",
         description="Write the folder a platform loads: sagemaker (uncompressed model data for "
-        "an S3 prefix: archive + config.properties + serve) or kserve (config/config.properties "
-        "+ model-store/).\n\nexamples:\n"
+        "an S3 prefix: archive + config.properties + serve), kserve (config/config.properties "
+        "+ model-store/) or kubernetes (kustomize-ready manifests sized by `validate`, the "
+        "model image's Dockerfile + model-store/).\n\nexamples:\n"
         "  inf2serve export --target sagemaker model_store/llama deploy/sagemaker-llama\n"
-        "  inf2serve export --target kserve model_store/tiny-llama.mar deploy/kserve-tiny",
+        "  inf2serve export --target kserve model_store/tiny-llama.mar deploy/kserve-tiny\n"
+        "  inf2serve export --target kubernetes model_store/llama deploy/k8s-llama \\\n"
+        "      --image ECR/llama:1 --replicas 2 --namespace llm",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, choices=TARGETS)
     p.add_argument("archive", metavar="ARCHIVE", help=".mar, .tar.gz or archive folder")
@@ -184,4 +211,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--link", action="store_true",
                    help="hard-link archive files instead of copying (same filesystem)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT")
+    k = p.add_argument_group("kubernetes")
+    k.add_argument("--image", help="model image the Deployment runs (default NAME:0.1.0)")
+    k.add_argument("--replicas", type=int, help="replicas, and the HPA's minimum (default 1)")
+    k.add_argument("--instance", help="pin pods to one Inf2 size (default: any that fits)")
+    k.add_argument("--namespace", help="namespace of every object (default: default)")
     p.set_defaults(func=_run)

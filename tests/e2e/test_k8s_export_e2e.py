@@ -1,0 +1,125 @@
+"""The exported Deployment's container, run as a plain process: it serves and streams.
+
+The container's command, args, env and working directory are taken from deployment.yaml
+and the ConfigMap's files, with only paths and ports remapped to this machine (the
+image's /models/model-store is the export's model-store/, the ConfigMap mount a temp
+dir). TorchServe comes from the stock serving venv (tests/e2e/_venv.py); the readiness
+and liveness probes are the exported ones, run as the kubelet would (exit code).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from archive_tools import serve
+from archive_tools.export import export
+from archive_tools.k8s_export import CONFIG_DIR, MODEL_STORE, K8sOptions
+from archive_tools.package import package
+
+from ._venv import make_serving_venv
+from .test_package_formats import CONFIG, _wait_gone, isolated_ports, stream
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs a Java 17 runtime"),
+]
+
+
+@pytest.fixture(scope="module")
+def serving_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stock TorchServe, torch and transformers, without this toolkit."""
+    return make_serving_venv(tmp_path_factory.mktemp("serving-venv") / "venv")
+
+
+def _load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def _run_probe(cmd: list[str], remap, env: dict[str, str]) -> int:
+    return subprocess.run([remap(a) for a in cmd], env=env, capture_output=True,
+                          timeout=30).returncode
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """The session holds torchserve, java and the workers."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_exported_container_serves_and_streams(tiny_checkpoint: Path, serving_python: Path,
+                                               tmp_path: Path) -> None:
+    archive = package(CONFIG, tiny_checkpoint, "tiny", "no-archive", tmp_path / "store")
+    out, _ = export(archive, tmp_path / "k8s", "kubernetes", k8s=K8sOptions(replicas=1))
+    container = _load(out / "deployment.yaml")["spec"]["template"]["spec"]["containers"][0]
+    files = _load(out / "configmap.yaml")["data"]
+
+    # the ConfigMap mount, with this machine's free ports instead of 8080/8081/8082
+    ports = {p: serve.free_port() for p in ("8080", "8081", "8082")}
+    props = re.sub(r":(8080|8081|8082)\b", lambda m: f":{ports[m.group(1)]}",
+                   files["config.properties"])
+    props += "".join(f"{k}={v}\n" for k, v in isolated_ports().items())  # shared machine only
+    mount = tmp_path / "etc-inf2serve"
+    mount.mkdir()
+    (mount / "config.properties").write_text(props)
+    (mount / "probe.py").write_text(files["probe.py"])
+    work = tmp_path / "container-tmp"
+    work.mkdir()
+
+    def remap(value: str) -> str:
+        for inside, here in ((CONFIG_DIR, mount), (MODEL_STORE, out / "model-store"),
+                             ("/tmp", work)):
+            if value == inside or value.startswith(inside + "/"):
+                return str(here) + value[len(inside):]
+        return value
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({e["name"]: remap(e["value"]) for e in container["env"]})
+    env["PATH"] = f"{serving_python.parent}:{env['PATH']}"
+    probe_env = {**env, "PROBE_INFERENCE_URL": f"http://127.0.0.1:{ports['8080']}",
+                 "PROBE_MANAGEMENT_URL": f"http://127.0.0.1:{ports['8081']}"}
+    cmd = [remap(a) for a in container["command"] + container["args"]]
+    log = tmp_path / "container.out"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=remap(container["workingDir"]), env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{ports['8080']}"
+    try:
+        startup = container["startupProbe"]
+        deadline = time.monotonic() + startup["periodSeconds"] * startup["failureThreshold"]
+        while _run_probe(startup["exec"]["command"], remap, probe_env) != 0:
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "startup probe never passed"
+            time.sleep(1)
+        assert _run_probe(container["readinessProbe"]["exec"]["command"], remap, probe_env) == 0
+        assert _run_probe(container["livenessProbe"]["exec"]["command"], remap, probe_env) == 0
+        r, chunks = stream(f"{url}/predictions/tiny")  # no token: the platform authenticates
+        assert r.status_code == 200 and r.headers.get("transfer-encoding") == "chunked"
+        assert "".join(chunks).strip()
+        # the model API is off: nothing registers models, even from inside the pod
+        mgmt = httpx.post(f"http://127.0.0.1:{ports['8081']}/models?url=x.mar", timeout=10)
+        assert mgmt.status_code == 405
+        # the handler's gauges reach the metrics port the HPA's adapter scrapes
+        deadline = time.monotonic() + 30
+        while "BusySlots" not in (text := httpx.get(
+                f"http://127.0.0.1:{ports['8082']}/metrics", timeout=10).text):
+            assert time.monotonic() < deadline, text[-2000:]
+            time.sleep(1)
+    finally:
+        _stop(proc)
+    _wait_gone(f"{url}/ping", 60)
