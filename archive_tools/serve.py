@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -27,6 +28,16 @@ import httpx
 from handlers.errors import Inf2ServeError
 
 DEFAULT_RUN_DIR = Path(".serve")
+#: minutes a token lasts (TorchServe's token_expiration_min, 60 by default: ConfigManager.java
+#: getTimeToExpiration); a working day for a local server, and `inf2serve token` renews it
+TOKEN_EXPIRY_MIN = 720
+#: a worker that dies before its model is loaded (state WORKER_STARTED, not yet
+#: WORKER_MODEL_LOADED): pytorch/serve@v0.12.0 frontend/.../wlm/AsyncWorkerThread.java:195
+#: and WorkerThread.java:412 log "{port} Worker disconnected. {state}"
+DIED_AT_LOAD = "Worker disconnected. WORKER_STARTED"
+#: the worker's own last words, then its traceback (ts/model_service_worker.py:311)
+WORKER_DIED = "Backend worker process died."
+ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\w*\b")
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,7 @@ def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, 
         "disable_token_authorization": "false",
         "install_py_dep_per_model": "false",
         "default_workers_per_model": str(workers),
+        "token_expiration_min": str(TOKEN_EXPIRY_MIN),
         "default_response_timeout": "600",
         "metrics_mode": "prometheus",
         "model_metrics_auto_detect": "true",  # export the handler's TTFT / tokens / queue time
@@ -136,14 +148,55 @@ def log_tail(run_dir: Path, lines: int = 60) -> str:
     return "\n".join(out)
 
 
-def wait_ready(server: Server, models: list[str], timeout_s: float) -> None:
-    """Poll the management API until every model has a READY worker."""
+def _log_sizes(run_dir: Path) -> dict[str, int]:
+    """Where each log ends now: TorchServe appends to the logs of earlier runs."""
+    logs = run_dir / "logs"
+    return {n: (logs / n).stat().st_size if (logs / n).exists() else 0
+            for n in ("ts_log.log", "model_log.log")}
+
+
+def _log_since(run_dir: Path, name: str, sizes: dict[str, int]) -> str:
+    path = run_dir / "logs" / name
+    if not path.exists():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(sizes.get(name, 0))
+        return f.read().decode("utf-8", errors="replace")
+
+
+def load_failure(run_dir: Path, sizes: dict[str, int]) -> str | None:
+    """Why a worker died while loading its model (since `sizes`), or None if none did.
+
+    TorchServe restarts such a worker for ever (with back-off), so waiting for READY would
+    last until the timeout; its model_log holds the traceback that says why."""
+    if DIED_AT_LOAD not in _log_since(run_dir, "ts_log.log", sizes):
+        return None
+    model_log = _log_since(run_dir, "model_log.log", sizes)
+    models = sorted(set(re.findall(rf"W-\d+-(\S+?)_[^_\s]+-stdout MODEL_LOG - "
+                                   rf"{re.escape(WORKER_DIED)}", model_log)))
+    lines = [line.split(" MODEL_LOG - ", 1)[-1] for line in model_log.splitlines()]
+    died = [i for i, line in enumerate(lines) if line.strip() == WORKER_DIED]
+    why = [line for line in (lines[died[-1] + 1:] if died else lines[-40:]) if line.strip()]
+    errors = [line for line in why if ERROR_LINE.match(line)]
+    summary = errors[-1] if errors else "(no Python traceback: killed, or out of memory?)"
+    who = f"model {', '.join(models)}: a" if models else "a"
+    return (f"{who} worker died while loading the model: {summary}\n"
+            f"TorchServe would restart it for ever, so serve stops here. The worker's log "
+            f"({run_dir / 'logs' / 'model_log.log'}):\n  " + "\n  ".join(why[-25:]))
+
+
+def wait_ready(server: Server, models: list[str], timeout_s: float,
+               log_sizes: dict[str, int] | None = None) -> None:
+    """Poll the management API until every model has a READY worker; fail at once when a
+    worker dies while loading (TorchServe would retry it until the timeout)."""
     headers = {"Authorization": f"Bearer {server.management_token}"}
     deadline = time.monotonic() + timeout_s
     pending = list(models)
     while pending:
         if not _alive(server.pid):
             raise Inf2ServeError(f"TorchServe exited during start-up\n{log_tail(server.run_dir)}")
+        if log_sizes is not None and (why := load_failure(server.run_dir, log_sizes)):
+            raise Inf2ServeError(why)
         if time.monotonic() > deadline:
             raise Inf2ServeError(f"models {pending} not READY after {timeout_s:.0f}s\n"
                                  f"{log_tail(server.run_dir)}")
@@ -190,6 +243,7 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
                              f"stop it with `inf2serve stop --run-dir {run_dir}`")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "key_file.json").unlink(missing_ok=True)
+    log_sizes = _log_sizes(run_dir)
     ports = tuple(free_port() for _ in range(5))
     cfg = write_config_properties(run_dir, model_store, ports, workers, extra_props)
     cmd = [_torchserve_bin(python), "--start", "--ncs", "--model-store", str(model_store.resolve()),
@@ -207,11 +261,39 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
         # addresses only: the tokens stay in TorchServe's own key_file.json
         public = {k: str(v) for k, v in server.__dict__.items() if not k.endswith("_token")}
         (run_dir / "server.json").write_text(json.dumps(public))
-        wait_ready(server, models, ready_timeout_s)
+        wait_ready(server, models, ready_timeout_s, log_sizes)
     except BaseException:
         stop(run_dir)
         raise
     return server
+
+
+def fresh_token(run_dir: Path = DEFAULT_RUN_DIR, kind: str = "inference") -> tuple[str, str]:
+    """A new `kind` token (and its expiry) from the running TorchServe of `run_dir`.
+
+    TorchServe 0.12's token API: the management port's /token?type=inference|management,
+    authorized by the key file's "API" key, which never expires; it replaces that token (the
+    old one stops working) and rewrites key_file.json (TokenAuthorizationHandler.java:42-56,
+    TokenAuthorization.java:74-89,139-193)."""
+    run_dir = Path(run_dir).resolve()
+    if kind not in ("inference", "management"):
+        raise Inf2ServeError(f"--type {kind!r}: choose inference or management")
+    try:
+        info = json.loads((run_dir / "server.json").read_text())
+        api_key = json.loads((run_dir / "key_file.json").read_text())["API"]["key"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError) as exc:
+        raise Inf2ServeError(f"no TorchServe started by `inf2serve serve` in {run_dir} "
+                             f"({exc}); pass its --run-dir") from exc
+    try:
+        r = httpx.post(f"{info['management_url']}/token", params={"type": kind},
+                       headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    except httpx.HTTPError as exc:
+        raise Inf2ServeError(f"TorchServe at {info['management_url']} did not answer ({exc}); "
+                             f"is it running? (inf2serve serve --run-dir {run_dir})") from exc
+    if r.status_code != 200:
+        raise Inf2ServeError(f"TorchServe refused a new token: {r.status_code} {r.text.strip()}")
+    keys = json.loads((run_dir / "key_file.json").read_text())[kind]
+    return keys["key"], keys["expiration time"]
 
 
 def stop(run_dir: Path = DEFAULT_RUN_DIR, timeout_s: float = 60) -> bool:
@@ -252,11 +334,22 @@ def _kill_workers(run_dir: Path) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     server = start(Path(args.model_store), args.models or [], Path(args.run_dir),
-                   workers=args.workers, ready_timeout_s=args.timeout)
+                   workers=args.workers, ready_timeout_s=args.timeout,
+                   extra_props={"install_py_dep_per_model": "true"}
+                   if args.install_py_dep_per_model else None)
     model = (args.models or ["MODEL"])[0].split("=")[0]
     print(f"TorchServe is up: inference {server.inference_url} (token auth on)")
     print("try it:\n  " + server.curl_example(model))
+    print(f"the token expires in {TOKEN_EXPIRY_MIN // 60} h; a fresh one: "
+          f"inf2serve token --run-dir {args.run_dir}")
     print(f"stop it:\n  inf2serve stop --run-dir {args.run_dir}")
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    key, expires = fresh_token(Path(args.run_dir), args.type)
+    print(key if args.quiet else f"new {args.type} token (the previous one no longer works; "
+          f"expires {expires}):\n  {key}")
     return 0
 
 
@@ -276,7 +369,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help="config, keys and logs")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
+    p.add_argument("--install-py-dep-per-model", action="store_true",
+                   help="let TorchServe pip-install each archive's requirements.txt into its "
+                   "model folder at load (install_py_dep_per_model=true; needs network)")
     p.set_defaults(func=_serve)
+    t = sub.add_parser(
+        "token", help="get a fresh token from a running `inf2serve serve` (tokens expire)",
+        description=f"Ask the running TorchServe for a new token (TorchServe's token API, "
+        f"authorized by the API key in RUN_DIR/key_file.json). Tokens last "
+        f"{TOKEN_EXPIRY_MIN} minutes under `inf2serve serve` (TorchServe's own default: 60); "
+        "the new one replaces the old.\n\nexamples:\n  inf2serve token\n"
+        "  curl -H \"Authorization: Bearer $(inf2serve token -q)\" ...",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR))
+    t.add_argument("--type", default="inference", choices=("inference", "management"))
+    t.add_argument("-q", "--quiet", action="store_true", help="print the token only")
+    t.set_defaults(func=_token)
     s = sub.add_parser("stop", help="stop a TorchServe started by `inf2serve serve`")
     s.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR))
     s.set_defaults(func=_stop)
