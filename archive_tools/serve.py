@@ -164,6 +164,20 @@ def _log_since(run_dir: Path, name: str, sizes: dict[str, int]) -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
+def _died_at_load(run_dir: Path, scanned: dict[str, int]) -> bool:
+    """Whether ts_log's lines since `scanned` (advanced to the last whole line) report a
+    worker lost before READY; each poll reads only what is new."""
+    path = run_dir / "logs" / "ts_log.log"
+    if not path.exists():
+        return False
+    with open(path, "rb") as f:
+        f.seek(scanned.get("ts_log.log", 0))
+        new = f.read()
+    whole = new[:new.rfind(b"\n") + 1]
+    scanned["ts_log.log"] = scanned.get("ts_log.log", 0) + len(whole)
+    return DIED_AT_LOAD.encode() in whole
+
+
 def load_failure(run_dir: Path, sizes: dict[str, int]) -> str | None:
     """Why a worker died while loading its model (since `sizes`), or None if none did.
 
@@ -192,11 +206,13 @@ def wait_ready(server: Server, models: list[str], timeout_s: float,
     headers = {"Authorization": f"Bearer {server.management_token}"}
     deadline = time.monotonic() + timeout_s
     pending = list(models)
+    scanned = dict(log_sizes or {})
     while pending:
         if not _alive(server.pid):
             raise Inf2ServeError(f"TorchServe exited during start-up\n{log_tail(server.run_dir)}")
-        if log_sizes is not None and (why := load_failure(server.run_dir, log_sizes)):
-            raise Inf2ServeError(why)
+        if log_sizes is not None and _died_at_load(server.run_dir, scanned):
+            raise Inf2ServeError(load_failure(server.run_dir, log_sizes)
+                                 or "a worker died while loading its model")
         if time.monotonic() > deadline:
             raise Inf2ServeError(f"models {pending} not READY after {timeout_s:.0f}s\n"
                                  f"{log_tail(server.run_dir)}")

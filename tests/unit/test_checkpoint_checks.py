@@ -155,3 +155,15 @@ def test_inspect_reports_the_split_layout_like_safetensors(tiny_checkpoint: Path
         k = got["checkpoint"]
         assert (k["layout"], k["params"], k["dtypes"]) == ("legacy split", want["params"],
                                                            want["dtypes"])
+
+
+def test_inspect_reads_a_pickled_bin_of_an_older_archive(tiny_checkpoint: Path,
+                                                         tmp_path: Path) -> None:
+    """Archives packaged before one-format packaging may hold pytorch_model.bin."""
+    target = pkg.package(CONFIG, tiny_checkpoint, "old", "no-archive", tmp_path / "s")
+    want = summarize(scan(target))["checkpoint"]
+    save_bin(target / "model")
+    (target / "model" / "model.safetensors").unlink()
+    k = summarize(scan(target))["checkpoint"]
+    assert (k["layout"], k["params"], k["dtypes"]) == ("pickled .bin", want["params"],
+                                                       want["dtypes"])

@@ -56,3 +56,13 @@ def test_no_failure_while_loading_or_after_loaded(tmp_path: Path) -> None:
 def test_an_earlier_runs_failure_is_not_this_ones(tmp_path: Path) -> None:
     write_logs(tmp_path, TS_LOG, MODEL_LOG)
     assert serve.load_failure(tmp_path, serve._log_sizes(tmp_path)) is None
+
+
+def test_polls_read_only_new_whole_lines(tmp_path: Path) -> None:
+    scanned = serve._log_sizes(tmp_path)
+    head, tail = TS_LOG.split("Worker disconnected. WORKER_")
+    write_logs(tmp_path, head + "Worker disconnected. WORKER_", "")
+    assert not serve._died_at_load(tmp_path, scanned)  # half a line: not yet
+    write_logs(tmp_path, tail, "")
+    assert serve._died_at_load(tmp_path, scanned)
+    assert not serve._died_at_load(tmp_path, scanned)  # already read
