@@ -178,6 +178,15 @@ def _died_at_load(run_dir: Path, scanned: dict[str, int]) -> bool:
     return DIED_AT_LOAD.encode() in whole
 
 
+def _settle(path: Path, timeout_s: float = 5) -> None:
+    """Wait until `path` stops growing: the frontend logs the worker's loss while it may
+    still be copying the worker's last stdout lines (the traceback) into model_log."""
+    deadline, size = time.monotonic() + timeout_s, -1
+    while time.monotonic() < deadline and path.exists() and path.stat().st_size != size:
+        size = path.stat().st_size
+        time.sleep(0.5)
+
+
 def load_failure(run_dir: Path, sizes: dict[str, int]) -> str | None:
     """Why a worker died while loading its model (since `sizes`), or None if none did.
 
@@ -211,6 +220,7 @@ def wait_ready(server: Server, models: list[str], timeout_s: float,
         if not _alive(server.pid):
             raise Inf2ServeError(f"TorchServe exited during start-up\n{log_tail(server.run_dir)}")
         if log_sizes is not None and _died_at_load(server.run_dir, scanned):
+            _settle(server.run_dir / "logs" / "model_log.log")
             raise Inf2ServeError(load_failure(server.run_dir, log_sizes)
                                  or "a worker died while loading its model")
         if time.monotonic() > deadline:
@@ -219,6 +229,11 @@ def wait_ready(server: Server, models: list[str], timeout_s: float,
         name = pending[0]
         try:
             r = httpx.get(f"{server.management_url}/models/{name}", headers=headers, timeout=5)
+            if r.status_code == 400 and "InvalidKeyException" in r.text:
+                # the management token expired while the model loads (a long Neuron compile)
+                key, _ = fresh_token(server.run_dir, "management")
+                headers = {"Authorization": f"Bearer {key}"}
+                continue
             workers = r.json()[0].get("workers", []) if r.status_code == 200 else []
             if any(w.get("status") == "READY" for w in workers):
                 pending.pop(0)

@@ -20,7 +20,7 @@ import pytest
 from archive_tools import serve
 from archive_tools.cli import main
 from archive_tools.package import package
-from tests.e2e.harness import attach_logs_fixture, post, running_server
+from tests.e2e.harness import attach_logs_fixture, make_config, post, running_server
 from tests.unit.test_checkpoint_checks import save_bin, tokenizer_model_only
 from tests.unit.test_package_user_files import members
 
@@ -97,11 +97,12 @@ def test_worker_death_at_load_is_reported_at_once(tiny_checkpoint: Path, tmp_pat
     model store afterwards): `serve` stops at the first death with the worker's reason
     instead of waiting out its READY timeout while TorchServe retries."""
     store = tmp_path / "store"
-    target = package(CONFIG, tiny_checkpoint, "broken", "no-archive", store)
+    inline = make_config(tmp_path / "inline.yaml", handler={"engine_process": "inline"})
+    target = package(inline, tiny_checkpoint, "broken", "no-archive", store)  # no child: faster
     tokenizer_model_only(target / "model")
     with pytest.raises(serve.Inf2ServeError) as info:
         serve.start(store, ["broken"], tmp_path / "run", ready_timeout_s=600)
     first = str(info.value).splitlines()[0]
-    assert first.startswith("model broken: a worker died while loading the model: ValueError: "
-                            "`tiktoken` is required"), str(info.value)
+    assert first.startswith("model broken: a worker died while loading the model: ")
+    assert "tiktoken" in first, str(info.value)  # the reason, from the worker's traceback
     assert not serve._alive(serve._pid(tmp_path / "run"))  # and the server was stopped
