@@ -56,7 +56,6 @@ ENTRY_FILE = Path(__file__).resolve().parent / "data" / "handler_entry.py"
 NEURON_BACKENDS = ("neuron", "nxdi")  # the Neuron SDK brings torch and transformers
 PINNED = ("transformers", "tokenizers", "safetensors", "pyyaml")  # torch backend, as built
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")  # torch-model-archiver's rule
-WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 PICKLED = ("pytorch_model*.bin", "pytorch_model.bin.index.json")  # served only via `prepare`
 # other frameworks' or original (non-HF) weights hub repos carry beside the safetensors

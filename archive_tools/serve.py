@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -25,19 +24,13 @@ from pathlib import Path
 
 import httpx
 
+from archive_tools.ts_logs import died_at_load, load_failure, log_sizes, settle
 from handlers.errors import Inf2ServeError
 
 DEFAULT_RUN_DIR = Path(".serve")
 #: minutes a token lasts (TorchServe's token_expiration_min, 60 by default: ConfigManager.java
 #: getTimeToExpiration); a working day for a local server, and `inf2serve token` renews it
 TOKEN_EXPIRY_MIN = 720
-#: a worker that dies before its model is loaded (state WORKER_STARTED, not yet
-#: WORKER_MODEL_LOADED): pytorch/serve@v0.12.0 frontend/.../wlm/AsyncWorkerThread.java:195
-#: and WorkerThread.java:412 log "{port} Worker disconnected. {state}"
-DIED_AT_LOAD = "Worker disconnected. WORKER_STARTED"
-#: the worker's own last words, then its traceback (ts/model_service_worker.py:311)
-WORKER_DIED = "Backend worker process died."
-ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\w*\b")
 
 
 @dataclass(frozen=True)
@@ -148,66 +141,6 @@ def log_tail(run_dir: Path, lines: int = 60) -> str:
     return "\n".join(out)
 
 
-def _log_sizes(run_dir: Path) -> dict[str, int]:
-    """Where each log ends now: TorchServe appends to the logs of earlier runs."""
-    logs = run_dir / "logs"
-    return {n: (logs / n).stat().st_size if (logs / n).exists() else 0
-            for n in ("ts_log.log", "model_log.log")}
-
-
-def _log_since(run_dir: Path, name: str, sizes: dict[str, int]) -> str:
-    path = run_dir / "logs" / name
-    if not path.exists():
-        return ""
-    with open(path, "rb") as f:
-        f.seek(sizes.get(name, 0))
-        return f.read().decode("utf-8", errors="replace")
-
-
-def _died_at_load(run_dir: Path, scanned: dict[str, int]) -> bool:
-    """Whether ts_log's lines since `scanned` (advanced to the last whole line) report a
-    worker lost before READY; each poll reads only what is new."""
-    path = run_dir / "logs" / "ts_log.log"
-    if not path.exists():
-        return False
-    with open(path, "rb") as f:
-        f.seek(scanned.get("ts_log.log", 0))
-        new = f.read()
-    whole = new[:new.rfind(b"\n") + 1]
-    scanned["ts_log.log"] = scanned.get("ts_log.log", 0) + len(whole)
-    return DIED_AT_LOAD.encode() in whole
-
-
-def _settle(path: Path, timeout_s: float = 5) -> None:
-    """Wait until `path` stops growing: the frontend logs the worker's loss while it may
-    still be copying the worker's last stdout lines (the traceback) into model_log."""
-    deadline, size = time.monotonic() + timeout_s, -1
-    while time.monotonic() < deadline and path.exists() and path.stat().st_size != size:
-        size = path.stat().st_size
-        time.sleep(0.5)
-
-
-def load_failure(run_dir: Path, sizes: dict[str, int]) -> str | None:
-    """Why a worker died while loading its model (since `sizes`), or None if none did.
-
-    TorchServe restarts such a worker for ever (with back-off), so waiting for READY would
-    last until the timeout; its model_log holds the traceback that says why."""
-    if DIED_AT_LOAD not in _log_since(run_dir, "ts_log.log", sizes):
-        return None
-    model_log = _log_since(run_dir, "model_log.log", sizes)
-    models = sorted(set(re.findall(rf"W-\d+-(\S+?)_[^_\s]+-stdout MODEL_LOG - "
-                                   rf"{re.escape(WORKER_DIED)}", model_log)))
-    lines = [line.split(" MODEL_LOG - ", 1)[-1] for line in model_log.splitlines()]
-    died = [i for i, line in enumerate(lines) if line.strip() == WORKER_DIED]
-    why = [line for line in (lines[died[-1] + 1:] if died else lines[-40:]) if line.strip()]
-    errors = [line for line in why if ERROR_LINE.match(line)]
-    summary = errors[-1] if errors else "(no Python traceback: killed, or out of memory?)"
-    who = f"model {', '.join(models)}: a" if models else "a"
-    return (f"{who} worker died while loading the model: {summary}\n"
-            f"TorchServe would restart it for ever, so serve stops here. The worker's log "
-            f"({run_dir / 'logs' / 'model_log.log'}):\n  " + "\n  ".join(why[-25:]))
-
-
 def wait_ready(server: Server, models: list[str], timeout_s: float,
                log_sizes: dict[str, int] | None = None) -> None:
     """Poll the management API until every model has a READY worker; fail at once when a
@@ -219,8 +152,8 @@ def wait_ready(server: Server, models: list[str], timeout_s: float,
     while pending:
         if not _alive(server.pid):
             raise Inf2ServeError(f"TorchServe exited during start-up\n{log_tail(server.run_dir)}")
-        if log_sizes is not None and _died_at_load(server.run_dir, scanned):
-            _settle(server.run_dir / "logs" / "model_log.log")
+        if log_sizes is not None and died_at_load(server.run_dir, scanned):
+            settle(server.run_dir / "logs" / "model_log.log")
             raise Inf2ServeError(load_failure(server.run_dir, log_sizes)
                                  or "a worker died while loading its model")
         if time.monotonic() > deadline:
@@ -274,7 +207,7 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
                              f"stop it with `inf2serve stop --run-dir {run_dir}`")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "key_file.json").unlink(missing_ok=True)
-    log_sizes = _log_sizes(run_dir)
+    sizes = log_sizes(run_dir)
     ports = tuple(free_port() for _ in range(5))
     cfg = write_config_properties(run_dir, model_store, ports, workers, extra_props)
     cmd = [_torchserve_bin(python), "--start", "--ncs", "--model-store", str(model_store.resolve()),
@@ -292,7 +225,7 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
         # addresses only: the tokens stay in TorchServe's own key_file.json
         public = {k: str(v) for k, v in server.__dict__.items() if not k.endswith("_token")}
         (run_dir / "server.json").write_text(json.dumps(public))
-        wait_ready(server, models, ready_timeout_s, log_sizes)
+        wait_ready(server, models, ready_timeout_s, sizes)
     except BaseException:
         stop(run_dir)
         raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from archive_tools import serve
+from archive_tools import ts_logs
 
 TS_LOG = """\
 2026-11-23T00:48:12,747 [INFO ] W-9000-bad_1.0-stdout MODEL_LOG - engine process 9109: loading the model failed
@@ -35,9 +35,9 @@ def write_logs(run_dir: Path, ts: str, model: str) -> None:
 
 
 def test_death_at_load_names_the_model_and_the_error(tmp_path: Path) -> None:
-    sizes = serve._log_sizes(tmp_path)
+    sizes = ts_logs.log_sizes(tmp_path)
     write_logs(tmp_path, TS_LOG, MODEL_LOG)
-    why = serve.load_failure(tmp_path, sizes)
+    why = ts_logs.load_failure(tmp_path, sizes)
     first, *rest = why.splitlines()
     assert first == ("model bad: a worker died while loading the model: ValueError: `tiktoken` "
                      "is required to read a `tiktoken` file.")
@@ -46,23 +46,23 @@ def test_death_at_load_names_the_model_and_the_error(tmp_path: Path) -> None:
 
 
 def test_no_failure_while_loading_or_after_loaded(tmp_path: Path) -> None:
-    sizes = serve._log_sizes(tmp_path)
+    sizes = ts_logs.log_sizes(tmp_path)
     write_logs(tmp_path, "", MODEL_LOG.splitlines(keepends=True)[0])
-    assert serve.load_failure(tmp_path, sizes) is None
+    assert ts_logs.load_failure(tmp_path, sizes) is None
     write_logs(tmp_path, LOADED, "")  # a worker lost after READY is TorchServe's to restart
-    assert serve.load_failure(tmp_path, sizes) is None
+    assert ts_logs.load_failure(tmp_path, sizes) is None
 
 
 def test_an_earlier_runs_failure_is_not_this_ones(tmp_path: Path) -> None:
     write_logs(tmp_path, TS_LOG, MODEL_LOG)
-    assert serve.load_failure(tmp_path, serve._log_sizes(tmp_path)) is None
+    assert ts_logs.load_failure(tmp_path, ts_logs.log_sizes(tmp_path)) is None
 
 
 def test_polls_read_only_new_whole_lines(tmp_path: Path) -> None:
-    scanned = serve._log_sizes(tmp_path)
+    scanned = ts_logs.log_sizes(tmp_path)
     head, tail = TS_LOG.split("Worker disconnected. WORKER_")
     write_logs(tmp_path, head + "Worker disconnected. WORKER_", "")
-    assert not serve._died_at_load(tmp_path, scanned)  # half a line: not yet
+    assert not ts_logs.died_at_load(tmp_path, scanned)  # half a line: not yet
     write_logs(tmp_path, tail, "")
-    assert serve._died_at_load(tmp_path, scanned)
-    assert not serve._died_at_load(tmp_path, scanned)  # already read
+    assert ts_logs.died_at_load(tmp_path, scanned)
+    assert not ts_logs.died_at_load(tmp_path, scanned)  # already read
