@@ -9,8 +9,11 @@ compile-cache metadata.json. A .tar.gz is read as a stream once, never seeked.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
+import pickle
+import struct
 import tarfile
 import zipfile
 from collections import Counter
@@ -26,6 +29,11 @@ from handlers.errors import Inf2ServeError
 
 MAX_HEADER = 100 << 20  # a safetensors header above this is not one
 SMALL = {"MAR-INF/MANIFEST.json", "model-config.yaml", "requirements.txt"}
+#: torch.save storages -> safetensors' dtype names, so both layouts report alike
+TORCH_DTYPES = {"FloatStorage": "F32", "BFloat16Storage": "BF16", "HalfStorage": "F16",
+                "DoubleStorage": "F64", "LongStorage": "I64", "IntStorage": "I32",
+                "ShortStorage": "I16", "CharStorage": "I8", "ByteStorage": "U8",
+                "BoolStorage": "BOOL"}
 
 
 @dataclass
@@ -46,12 +54,55 @@ def _wanted(name: str) -> str | None:
         return "file"
     if name.endswith(".safetensors"):
         return "header"
+    if ("/pytorch_model.bin/" in name and not name.endswith(".json")) or (
+            name.endswith(".bin") and "/pytorch_model" in name):
+        return "torch"  # the legacy split layout (one torch.save file per tensor), or a .bin
     return None
+
+
+class _ShapeUnpickler(pickle.Unpickler):
+    """Reads a torch.save pickle for (dtype, shape) of each tensor, never its storage bytes,
+    and builds nothing else (torch/serialization.py: _rebuild_tensor_v2(storage, offset,
+    size, stride, ...), storages as persistent ids ('storage', type, key, location, numel))."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, *rest: (storage, list(size))
+        if (module, name) == ("torch._utils", "_rebuild_parameter"):
+            return lambda data, *rest: data
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in TORCH_DTYPES:
+            return TORCH_DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name} is not a tensor")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return pid[1]  # the storage type, already mapped to a dtype name
+
+
+def _torch_header(f: IO[bytes]) -> bytes:
+    """[(dtype, shape), ...] of a torch.save file, read forward from its first zip member
+    (archive/data.pkl, stored: torch writes it first, sizes after the data), as JSON."""
+    head = f.read(30)
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        return b"[]"
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    if not f.read(name_len).endswith(b"data.pkl"):
+        return b"[]"
+    f.read(extra_len)
+    try:
+        obj = _ShapeUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError):
+        return b"[]"
+    tensors = obj.values() if isinstance(obj, dict) else [obj]
+    return json.dumps([t for t in tensors if isinstance(t, tuple)]).encode()
 
 
 def _read(f: IO[bytes], how: str) -> bytes:
     if how == "file":
         return f.read(MAX_HEADER)
+    if how == "torch":
+        return _torch_header(f)
     head = f.read(8)
     n = int.from_bytes(head, "little") if len(head) == 8 else 0
     return f.read(n) if 0 < n <= MAX_HEADER else b"{}"
@@ -110,12 +161,22 @@ def summarize(snap: Snapshot) -> dict[str, Any]:
     cfg_json = json.loads(snap.files.get(f"{ckpt}/config.json", b"{}"))
     params, dtypes = 0, Counter()
     for name, header in snap.files.items():
-        if name.startswith(f"{ckpt}/") and name.endswith(".safetensors"):
-            for key, t in json.loads(header).items():
-                if key != "__metadata__":
-                    params += math.prod(t["shape"])
-                    dtypes[t["dtype"]] += math.prod(t["shape"])
+        if not name.startswith(f"{ckpt}/"):
+            continue
+        if name.endswith(".safetensors"):
+            tensors = [(t["dtype"], t["shape"]) for key, t in json.loads(header).items()
+                       if key != "__metadata__"]
+        elif _wanted(name) == "torch":
+            tensors = json.loads(header)
+        else:
+            continue
+        for dtype, shape in tensors:
+            params += math.prod(shape)
+            dtypes[dtype] += math.prod(shape)
     split = [n for n in snap.sizes if n.startswith(f"{ckpt}/pytorch_model.bin/")]
+    pickled = [n for n in snap.sizes if n.startswith(f"{ckpt}/") and n.endswith(".bin")]
+    layout = ("legacy split" if split else "pickled .bin" if pickled else "safetensors"
+              if any(n.endswith(".safetensors") for n in snap.sizes) else "no weights")
     cache_dir = config.handler.neuron.cache_dir.rstrip("/")
     entries = []
     for name, data in sorted(snap.files.items()):
@@ -137,7 +198,7 @@ def summarize(snap: Snapshot) -> dict[str, Any]:
             "vocab": cfg_json.get("vocab_size"), "config_dtype": cfg_json.get("dtype",
                                                                                cfg_json.get("torch_dtype")),
             "params": params if dtypes else None,
-            "dtypes": dict(dtypes), "legacy_split_files": len(split),
+            "dtypes": dict(dtypes), "legacy_split_files": len(split), "layout": layout,
             "bytes": sum(s for n, s in snap.sizes.items() if n.startswith(f"{ckpt}/"))},
         "cache": entries,
         "files": snap.sizes,
@@ -175,14 +236,14 @@ def _render(path: Path, s: dict[str, Any]) -> None:
                                                    f"amp={h['neuron']['amp']}")])
     k = s["checkpoint"]
     params = f"{k['params'] / 1e6:.2f}M" if k["params"] is not None else "n/a"
-    dtypes = ", ".join(k["dtypes"]) or ("torch.save files" if k["legacy_split_files"] else "?")
+    dtypes = ", ".join(k["dtypes"]) or "?"
     table(f"checkpoint {k['dir']}/", [
         ("architecture", f"{k['architecture']} ({k['model_type']}, {k['layers']} layers, "
                          f"hidden {k['hidden']}, vocab {k['vocab']})"),
         ("params", params), ("dtype", f"{dtypes} (config.json: {k['config_dtype']})"),
         ("size", human(k["bytes"])),
         ("layout", f"legacy split, {k['legacy_split_files']} files" if k["legacy_split_files"]
-         else "safetensors")])
+         else k["layout"])])
     t = Table(title="Neuron compile cache", title_justify="left")
     for col in ("entry", "tp", "batch", "n_pos", "amp", "SDK versions", "size"):
         t.add_column(col, overflow="fold")

@@ -7,7 +7,10 @@ Archive layout (the same for every format):
     model-config.yaml     validated config
     <checkpoint>/         weights + tokenizer (handler.checkpoint, default "model")
     neuron_cache/         pre-compiled Neuron artifacts (optional)
-    requirements.txt      runtime dependencies (torch: pinned; neuron: none, the SDK's stay)
+    requirements.txt      runtime dependencies (torch: pinned; neuron: none, the SDK's stay),
+                          then the lines of --requirements-file
+    <handler>.py, extras  --handler FILE and --extra-files, at the top as torch-model-archiver
+                          puts them
     MAR-INF/MANIFEST.json written by model_archiver's own manifest code
 
 Why not call torch-model-archiver: it copies every extra file into
@@ -22,6 +25,8 @@ when complete, so an interrupted run leaves the model store as it was.
 from __future__ import annotations
 
 import argparse
+import ast
+import glob
 import importlib.metadata
 import importlib.util
 import io
@@ -30,6 +35,7 @@ import tarfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from archive_tools.fileops import (
     Advance,
@@ -50,8 +56,13 @@ ENTRY_FILE = Path(__file__).resolve().parent / "data" / "handler_entry.py"
 NEURON_BACKENDS = ("neuron", "nxdi")  # the Neuron SDK brings torch and transformers
 PINNED = ("transformers", "tokenizers", "safetensors", "pyyaml")  # torch backend, as built
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")  # torch-model-archiver's rule
-WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+PICKLED = ("pytorch_model*.bin", "pytorch_model.bin.index.json")  # served only via `prepare`
+# other frameworks' or original (non-HF) weights hub repos carry beside the safetensors
+OTHER_WEIGHTS = ("tf_model*.h5", "flax_model*.msgpack", "*.pth", "*.pt", "*.ckpt", "*.gguf",
+                 "*.onnx", "*.msgpack")
+RUNTIMES = ("python", "python3")  # model_archiver's RuntimeType, less LSP (C++ handlers)
+USER_HANDLER_LINE = 'USER_HANDLER = ""'  # in data/handler_entry.py; --handler fills it in
 SKIP_DIRS = {"__pycache__", ".git", ".ipynb_checkpoints"}
 COMPRESS_LEVEL = 1  # weights barely compress; level 1 is several times faster than 6
 
@@ -80,6 +91,7 @@ class Plan:
     replaces: tuple[Path, ...]
     entries: tuple[Entry, ...]
     manifest: str
+    left_out: tuple[Path, ...] = ()  # checkpoint files not packaged (a second weight format)
 
     @property
     def total_bytes(self) -> int:
@@ -89,6 +101,12 @@ class Plan:
         lines = [f"package {self.name} ({self.fmt}) -> {self.target}",
                  f"  {len(self.entries)} files, {human(self.total_bytes)}"]
         lines += [f"  replaces {p}" for p in self.replaces]
+        if self.left_out:
+            size = sum(p.stat().st_size for p in self.left_out)
+            names = ", ".join(p.name for p in self.left_out[:3])
+            more = f" and {len(self.left_out) - 3} more" if len(self.left_out) > 3 else ""
+            lines.append(f"  leaves out {names}{more} ({human(size)}): the safetensors are "
+                         "the one weight format packaged")
         linked = sum(e.size for e in self.entries if e.link)
         if linked:
             lines.append(f"  hard-links {human(linked)} of checkpoint (no copy)")
@@ -144,37 +162,196 @@ def requirements_txt(config: ModelConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_checkpoint(checkpoint: Path, needs_weights: bool = True) -> None:
-    """A serving checkpoint: config.json, weights and tokenizer files (what `prepare` writes).
-    The synthetic backend reads no weights (`needs_weights` False)."""
+def check_checkpoint(checkpoint: Path, needs_weights: bool = True,
+                     chat_template: str = "") -> tuple[Path, ...]:
+    """A serving checkpoint: config.json, one weight format and a tokenizer that loads, with
+    the configured chat template (what `prepare` writes). The synthetic backend reads no
+    weights (`needs_weights` False). Returns the files left out: a second weight format
+    beside the safetensors."""
     if not checkpoint.is_dir():
         raise Inf2ServeError(f"--checkpoint {checkpoint}: no such directory")
     if not (checkpoint / "config.json").is_file():
         raise Inf2ServeError(f"--checkpoint {checkpoint}: no config.json; pass a Hugging Face "
                              "checkpoint directory (see `inf2serve prepare`)")
-    has_weights = any(next(checkpoint.glob(g), None) for g in WEIGHT_GLOBS)
-    if needs_weights and not has_weights and not (checkpoint / "pytorch_model.bin").is_dir():
-        raise Inf2ServeError(f"--checkpoint {checkpoint}: no *.safetensors or pytorch_model.bin; "
-                             "run `inf2serve prepare SRC OUT` to write a serving checkpoint")
+    left_out = weight_files_left_out(checkpoint)
+    has_weights = next(checkpoint.glob("*.safetensors"), None) or (
+        checkpoint / "pytorch_model.bin").is_dir()
+    if needs_weights and not has_weights:
+        raise Inf2ServeError(f"--checkpoint {checkpoint}: no *.safetensors (or the legacy split "
+                             "pytorch_model.bin/ folder); run `inf2serve prepare SRC OUT` to "
+                             "write a serving checkpoint")
     if not any((checkpoint / f).is_file() for f in TOKENIZER_FILES):
         raise Inf2ServeError(f"--checkpoint {checkpoint}: no tokenizer files "
                              f"({', '.join(TOKENIZER_FILES)}); save the tokenizer next to the "
                              "weights (`inf2serve prepare` copies it)")
+    tokenizer = check_loads(checkpoint, "--checkpoint")
+    if chat_template:
+        check_chat_template(tokenizer, chat_template)
+    return left_out
 
 
-def manifest_json(name: str, version: str) -> str:
+def weight_files_left_out(checkpoint: Path) -> tuple[Path, ...]:
+    """One weight format per archive: with safetensors present, pickled .bin shards (and the
+    other frameworks' weights hub repos ship beside them) stay out; without safetensors,
+    pickled .bin files are refused, since `prepare` converts them (and loads them safely)."""
+    pickled = sorted({p for g in PICKLED for p in checkpoint.glob(g) if p.is_file()})
+    if not next(checkpoint.glob("*.safetensors"), None):
+        if pickled:
+            raise Inf2ServeError(
+                f"--checkpoint {checkpoint}: pickled weights ({pickled[0].name}) and no "
+                "*.safetensors; run `inf2serve prepare SRC OUT`, which converts them to "
+                "safetensors, and package OUT")
+        return ()
+    if (checkpoint / "pytorch_model.bin").is_dir():
+        raise Inf2ServeError(f"--checkpoint {checkpoint}: holds both *.safetensors and the "
+                             "legacy split pytorch_model.bin/ folder; keep one (`inf2serve "
+                             "prepare` writes either)")
+    other = {p for g in OTHER_WEIGHTS for p in checkpoint.rglob(g) if p.is_file()}
+    return tuple(sorted({*pickled, *other}))
+
+
+def check_loads(checkpoint: Path, flag: str) -> Any:
+    """Load the tokenizer and the model config as the worker will (the same AutoTokenizer /
+    AutoConfig calls, in this process), so a checkpoint that cannot load fails here with
+    the fix rather than in every worker. This process's transformers may differ from the
+    serving image's (a Neuron SDK's 4.x); the files are the same."""
+    from transformers import AutoConfig
+
+    from handlers.service import load_tokenizer
+
+    try:
+        AutoConfig.from_pretrained(checkpoint.resolve())
+    except Exception as exc:  # transformers raises many kinds; the message is the point
+        raise Inf2ServeError(f"{flag} {checkpoint}: config.json does not load with "
+                             f"AutoConfig.from_pretrained: {exc}") from exc
+    try:
+        return load_tokenizer(checkpoint)
+    except Exception as exc:
+        fix = ("fix the tokenizer files, or install what the message names where the model "
+               "is served")
+        if (checkpoint / "tokenizer.model").is_file() and not (
+                checkpoint / "tokenizer.json").is_file():
+            fix = ("only tokenizer.model is here (no tokenizer.json); convert it once with "
+                   "`pip install sentencepiece` then `inf2serve prepare SRC OUT`, which "
+                   "writes tokenizer.json, which workers read without sentencepiece")
+        raise Inf2ServeError(f"{flag} {checkpoint}: the tokenizer does not load as the worker "
+                             f"loads it (AutoTokenizer.from_pretrained): "
+                             f"{str(exc).strip().splitlines()[0]}; {fix}") from exc
+
+
+def manifest_json(name: str, version: str, runtime: str = "python") -> str:
     """MAR-INF/MANIFEST.json exactly as torch-model-archiver writes it."""
     from model_archiver.model_archiver_config import ModelArchiverConfig
     from model_archiver.model_packaging_utils import ModelExportUtils
 
     return ModelExportUtils.generate_manifest_json(ModelArchiverConfig(
-        model_name=name, handler=ENTRY_FILE.name, version=version,
+        model_name=name, handler=ENTRY_FILE.name, version=version, runtime=runtime,
         config_file="model-config.yaml", requirements_file="requirements.txt"))
+
+
+def user_handler_class(path: Path) -> str:
+    """The one class of `path` that subclasses GenerationHandler (directly, or through another
+    class of the file), found without running the file; handler_entry.py picks the same class
+    by issubclass in the worker."""
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (SyntaxError, ValueError) as exc:
+        raise Inf2ServeError(f"--handler {path}: not valid Python ({exc})") from exc
+    ours: dict[str, list[str]] = {}  # class -> the qualifying bases it names
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            names = [b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")
+                     for b in node.bases]
+            if "GenerationHandler" in names or any(n in ours for n in names):
+                ours[node.name] = names
+    leaves = [c for c in ours if not any(c in bases for bases in ours.values())]
+    if len(leaves) != 1:
+        found = f"{len(leaves)} ({', '.join(leaves)})" if leaves else "none"
+        raise Inf2ServeError(
+            f"--handler {path}: expected one class subclassing GenerationHandler, found {found};"
+            " write `from handlers.generation_handler import GenerationHandler` and "
+            "`class MyHandler(GenerationHandler): ...` (override make_backend, serve_one, ...)")
+    return leaves[0]
+
+
+def handler_entries(handler: Path) -> list[Entry]:
+    """--handler FILE: the file at the top of the archive (as torch-model-archiver puts it)
+    and a handler_entry.py that serves its class."""
+    handler = Path(handler)
+    if ":" in handler.name:
+        raise Inf2ServeError(f"--handler {handler}: a module:function entry point cannot "
+                             "extend the inf2serve handler; pass a .py file with a subclass of "
+                             "GenerationHandler")
+    if not handler.is_file():
+        raise Inf2ServeError(f"--handler {handler}: no such file")
+    if handler.suffix != ".py" or not handler.stem.isidentifier():
+        raise Inf2ServeError(f"--handler {handler}: expected a Python file whose name is a "
+                             "module name, e.g. my_handler.py")
+    if handler.stem in (Path(ENTRY_FILE).stem, *RUNTIME_PACKAGES):
+        raise Inf2ServeError(f"--handler {handler}: the module name {handler.stem!r} is the "
+                             "toolkit's own; rename the file")
+    user_handler_class(handler)
+    entry = ENTRY_FILE.read_text()
+    if entry.count(USER_HANDLER_LINE) != 1:
+        raise Inf2ServeError(f"{ENTRY_FILE}: no {USER_HANDLER_LINE!r} line; reinstall inf2serve")
+    entry = entry.replace(USER_HANDLER_LINE, f"USER_HANDLER = {handler.stem!r}")
+    return [Entry(ENTRY_FILE.name, data=entry.encode()), Entry(handler.name, src=handler)]
+
+
+def extra_file_entries(spec: str) -> list[Entry]:
+    """--extra-files a,b,dir,*.json as torch-model-archiver reads it: comma-separated paths or
+    wildcards; a file goes to the top of the archive, a folder's contents do."""
+    entries = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            raise Inf2ServeError(f"--extra-files {spec!r}: an empty name; separate paths with "
+                                 "single commas")
+        wildcard = any(c in item for c in "*?[")
+        paths = sorted(Path(p) for p in glob.glob(item)) if wildcard else [Path(item)]
+        if not paths or not paths[0].exists():
+            raise Inf2ServeError(f"--extra-files {item}: no such file or directory"
+                                 + (" (the wildcard matched nothing)" if wildcard else ""))
+        for path in paths:
+            if path.is_dir():
+                entries += [Entry(e.arcname.split("/", 1)[1], src=e.src)
+                            for e in _walk(path, ".")]
+            else:
+                entries.append(Entry(path.name, src=path))
+    return entries
+
+
+def check_collisions(entries: list[Entry], extras: list[Entry]) -> None:
+    """An extra file must not replace one of ours, nor another extra file."""
+    ours = {e.arcname.split("/", 1)[0] for e in entries} | {"MAR-INF"}
+    seen: dict[str, Path] = {}
+    for e in extras:
+        top = e.arcname.split("/", 1)[0]
+        if top in ours:
+            raise Inf2ServeError(f"--extra-files {e.src}: {e.arcname!r} would replace the "
+                                 f"archive's own {top!r}; rename it or put it in a folder")
+        if e.arcname in seen:
+            raise Inf2ServeError(f"--extra-files {e.src}: {e.arcname!r} is also given as "
+                                 f"{seen[e.arcname]}; each name may appear once")
+        seen[e.arcname] = e.src
+
+
+def user_requirements(path: Path) -> str:
+    """--requirements-file: appended to the archive's requirements.txt, which TorchServe
+    installs only with install_py_dep_per_model=true (ModelManager.setupModelDependencies)."""
+    path = Path(path)
+    if not path.is_file():
+        raise Inf2ServeError(f"--requirements-file {path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise Inf2ServeError(f"--requirements-file {path}: not UTF-8 text") from exc
+    return f"# from --requirements-file {path.name}\n{text.rstrip()}\n"
 
 
 def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_dir: Path, *,
                  force: bool = False, version: str = "1.0", neuron_cache: Path | None = None,
-                 link: bool = False) -> Plan:
+                 link: bool = False, handler: Path | None = None, extra_files: str | None = None,
+                 requirements_file: Path | None = None, runtime: str = "python") -> Plan:
     """Validate every input and list what goes where; writes nothing."""
     config = load_config(config_path)  # ConfigError names the closest valid key
     if fmt not in FORMATS:
@@ -184,13 +361,17 @@ def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_d
                              "starting with a letter or digit")
     if link and fmt != "no-archive":
         raise Inf2ServeError("--link only applies to --format no-archive (archives copy bytes)")
+    if runtime not in RUNTIMES:
+        raise Inf2ServeError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
     checkpoint = Path(checkpoint)
-    check_checkpoint(checkpoint, needs_weights=config.handler.backend != "synthetic")
+    left_out = check_checkpoint(checkpoint, needs_weights=config.handler.backend != "synthetic",
+                                chat_template=config.handler.chat_template)
     ckpt_name = config.handler.checkpoint
     if Path(ckpt_name).is_absolute() or ".." in Path(ckpt_name).parts:
         raise Inf2ServeError(f"handler.checkpoint: {ckpt_name!r} must be a relative path inside "
                              "the archive, e.g. 'model'")
-    entries = [Entry(ENTRY_FILE.name, src=ENTRY_FILE)]
+    user = handler_entries(handler) if handler is not None else []
+    entries = user[:1] or [Entry(ENTRY_FILE.name, src=ENTRY_FILE)]
     for pkg in RUNTIME_PACKAGES:
         pkg_dir = _package_dir(pkg)
         if pkg_dir is None:
@@ -199,13 +380,20 @@ def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_d
                                      "(pip install -e .)")
             continue
         entries += _walk(pkg_dir, f"runtime/{pkg}")
-    entries += _walk(checkpoint, ckpt_name, link=link)
+    skip = set(left_out)
+    entries += [e for e in _walk(checkpoint, ckpt_name, link=link) if e.src not in skip]
     if neuron_cache is not None:
         if not Path(neuron_cache).is_dir():
             raise Inf2ServeError(f"--neuron-cache {neuron_cache}: no such directory")
         entries += _walk(Path(neuron_cache), config.handler.neuron.cache_dir)
     entries.append(Entry("model-config.yaml", data=Path(config_path).read_bytes()))
-    entries.append(Entry("requirements.txt", data=requirements_txt(config).encode()))
+    requirements = requirements_txt(config)
+    if requirements_file is not None:
+        requirements += user_requirements(requirements_file)
+    entries.append(Entry("requirements.txt", data=requirements.encode()))
+    extras = user[1:] + (extra_file_entries(extra_files) if extra_files else [])
+    check_collisions(entries, extras)
+    entries += extras
 
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -217,7 +405,22 @@ def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_d
     if existing and not force:
         raise Inf2ServeError(f"{existing[0]} exists; pass --force to replace it")
     return Plan(name, fmt, target, tuple(sorted(existing)), tuple(entries),
-                manifest_json(name, version))
+                manifest_json(name, version, runtime), left_out)
+
+
+def check_chat_template(tokenizer: Any, setting: str) -> None:
+    """handler.chat_template renders a one-message chat here as the worker renders every chat
+    request (a file is looked up in the checkpoint folder), or every one would answer 500."""
+    from handlers.chat_template import render_chat
+    from handlers.errors import RequestError
+
+    try:
+        render_chat(tokenizer, [{"role": "user", "content": "Hello"}], setting)
+    except Exception as exc:  # RequestError, or one of jinja2's several kinds
+        message = exc.message if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
+        if not message.startswith("handler.chat_template"):
+            message = f"handler.chat_template: {setting[:60]!r} does not render: {message}"
+        raise Inf2ServeError(message) from exc
 
 
 def _write_folder(plan: Plan, dest: Path, advance: Advance) -> None:
@@ -285,10 +488,14 @@ def execute(plan: Plan, *, show_progress: bool = True) -> Path:
 
 def package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_dir: Path,
             force: bool = False, version: str = "1.0", *, neuron_cache: Path | None = None,
-            link: bool = False, show_progress: bool = False) -> Path:
+            link: bool = False, show_progress: bool = False, handler: Path | None = None,
+            extra_files: str | None = None, requirements_file: Path | None = None,
+            runtime: str = "python") -> Path:
     """Validate, plan and write; returns the archive path in `out_dir`."""
     plan = plan_package(config_path, checkpoint, name, fmt, out_dir, force=force,
-                        version=version, neuron_cache=neuron_cache, link=link)
+                        version=version, neuron_cache=neuron_cache, link=link, handler=handler,
+                        extra_files=extra_files, requirements_file=requirements_file,
+                        runtime=runtime)
     return execute(plan, show_progress=show_progress)
 
 
@@ -296,7 +503,10 @@ def _run(args: argparse.Namespace) -> int:
     plan = plan_package(Path(args.config), Path(args.checkpoint), args.name, args.format,
                         Path(args.out), force=args.force, version=args.version,
                         neuron_cache=Path(args.neuron_cache) if args.neuron_cache else None,
-                        link=args.link)
+                        link=args.link, handler=Path(args.handler) if args.handler else None,
+                        extra_files=args.extra_files, runtime=args.runtime,
+                        requirements_file=Path(args.requirements_file)
+                        if args.requirements_file else None)
     print(plan.describe())
     if args.dry_run:
         print("dry run: nothing written")
@@ -317,7 +527,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "  inf2serve package --config model_configs/tiny-llama-cpu.yaml "
         "--checkpoint demo/tiny-llama --name tiny-llama --out model_store\n"
         "  inf2serve package --config llama.yaml --checkpoint /data/llama-7b --name llama "
-        "--format no-archive --link --out /models --dry-run",
+        "--format no-archive --link --out /models --dry-run\n"
+        "  inf2serve package --config llama.yaml --checkpoint ckpt --name llama "
+        "--handler my_handler.py --extra-files prompts.json,utils/ --requirements-file r.txt",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="model-config.yaml")
     p.add_argument("--checkpoint", required=True, help="serving checkpoint directory")
@@ -326,7 +538,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="mar (zip, deflate), tgz, zip-store (zip, no compression) or no-archive "
                    "(a folder: fastest to write and to load; best for large models)")
     p.add_argument("--out", default="model_store", help="model store directory")
-    p.add_argument("--version", default="1.0")
+    p.add_argument("--version", default="1.0", help="model version (the manifest's; "
+                   "TorchServe serves it as /predictions/NAME/VERSION)")
+    p.add_argument("--runtime", default="python", choices=RUNTIMES,
+                   help="the manifest's runtime, as torch-model-archiver's (python)")
+    p.add_argument("--handler", metavar="FILE.py",
+                   help="your handler: a .py file with one subclass of GenerationHandler "
+                   "(override make_backend, serve_one, ...); it replaces the stock one")
+    p.add_argument("--extra-files", metavar="A,B,...",
+                   help="comma-separated files, folders or wildcards put at the top of the "
+                   "archive (a folder's contents), as torch-model-archiver does")
+    p.add_argument("--requirements-file", metavar="FILE",
+                   help="pip requirements appended to the archive's requirements.txt; "
+                   "TorchServe installs it only with install_py_dep_per_model=true "
+                   "(`inf2serve serve --install-py-dep-per-model`)")
     p.add_argument("--neuron-cache", help="pre-compiled Neuron cache directory to include")
     p.add_argument("--link", action="store_true",
                    help="no-archive: hard-link checkpoint files instead of copying (same "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from archive_tools.checkpoint_compat import make_compatible
 from archive_tools.fileops import human, progress_bar, staged
+from archive_tools.package import check_loads
 from handlers.config import load_config
 from handlers.errors import Inf2ServeError
 
@@ -143,6 +144,30 @@ def _write_meta(src: Path, out: Path, amp: str | None) -> None:
         GenerationConfig.from_model_config(base).to_json_file(out / "generation_config.json")
 
 
+def _write_tokenizer_json(src: Path, out: Path) -> None:
+    """A checkpoint with only tokenizer.model (sentencepiece) gets the tokenizer.json of its
+    fast tokenizer, converted once here, so workers read it with `tokenizers` alone (without
+    it transformers needs sentencepiece, then tiktoken, in every worker)."""
+    if (src / "tokenizer.json").is_file() or not (src / "tokenizer.model").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src.resolve())
+    except Exception as exc:  # transformers raises ValueError, ImportError, OSError, ...
+        raise Inf2ServeError(
+            f"SRC {src}: only tokenizer.model (no tokenizer.json), and it does not load here: "
+            f"{str(exc).strip().splitlines()[0]}; `pip install sentencepiece` and run prepare "
+            "again: it converts tokenizer.model once into tokenizer.json, which workers read "
+            "without sentencepiece") from exc
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise Inf2ServeError(f"SRC {src}: tokenizer.model loads only as a slow "
+                             f"{type(tokenizer).__name__}, which has no tokenizer.json to write; "
+                             "save a fast tokenizer (tokenizer.json) into SRC")
+    backend.save(str(out / "tokenizer.json"))
+
+
 def amp_from_config(config_path: Path) -> str:
     """The amp a model-config.yaml asks for: neuron.amp (neuron, nxdi), or handler.dtype."""
     cfg = load_config(config_path)
@@ -172,7 +197,9 @@ def prepare(src: Path, out: Path, *, amp: str | None = None, legacy_split: bool 
         with progress_bar(total, f"preparing {out.name}", show_progress) as advance:
             writer = _write_split if legacy_split else _write_safetensors
             writer(shards, built, dtype, advance)
+        _write_tokenizer_json(src, built)
         _write_meta(src, built, amp)
+        check_loads(built, "OUT")  # as package will, and the worker
         for path in [built, *built.rglob("*")]:  # safetensors writes 0600; serving may not be us
             path.chmod(0o755 if path.is_dir() else 0o644)
     return out

@@ -24,9 +24,13 @@ from pathlib import Path
 
 import httpx
 
+from archive_tools.ts_logs import died_at_load, load_failure, log_sizes, settle
 from handlers.errors import Inf2ServeError
 
 DEFAULT_RUN_DIR = Path(".serve")
+#: minutes a token lasts (TorchServe's token_expiration_min, 60 by default: ConfigManager.java
+#: getTimeToExpiration); a working day for a local server, and `inf2serve token` renews it
+TOKEN_EXPIRY_MIN = 720
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, 
         "disable_token_authorization": "false",
         "install_py_dep_per_model": "false",
         "default_workers_per_model": str(workers),
+        "token_expiration_min": str(TOKEN_EXPIRY_MIN),
         "default_response_timeout": "600",
         "metrics_mode": "prometheus",
         "model_metrics_auto_detect": "true",  # export the handler's TTFT / tokens / queue time
@@ -136,20 +141,32 @@ def log_tail(run_dir: Path, lines: int = 60) -> str:
     return "\n".join(out)
 
 
-def wait_ready(server: Server, models: list[str], timeout_s: float) -> None:
-    """Poll the management API until every model has a READY worker."""
+def wait_ready(server: Server, models: list[str], timeout_s: float,
+               log_sizes: dict[str, int] | None = None) -> None:
+    """Poll the management API until every model has a READY worker; fail at once when a
+    worker dies while loading (TorchServe would retry it until the timeout)."""
     headers = {"Authorization": f"Bearer {server.management_token}"}
     deadline = time.monotonic() + timeout_s
     pending = list(models)
+    scanned = dict(log_sizes or {})
     while pending:
         if not _alive(server.pid):
             raise Inf2ServeError(f"TorchServe exited during start-up\n{log_tail(server.run_dir)}")
+        if log_sizes is not None and died_at_load(server.run_dir, scanned):
+            settle(server.run_dir / "logs" / "model_log.log")
+            raise Inf2ServeError(load_failure(server.run_dir, log_sizes)
+                                 or "a worker died while loading its model")
         if time.monotonic() > deadline:
             raise Inf2ServeError(f"models {pending} not READY after {timeout_s:.0f}s\n"
                                  f"{log_tail(server.run_dir)}")
         name = pending[0]
         try:
             r = httpx.get(f"{server.management_url}/models/{name}", headers=headers, timeout=5)
+            if r.status_code == 400 and "InvalidKeyException" in r.text:
+                # the management token expired while the model loads (a long Neuron compile)
+                key, _ = fresh_token(server.run_dir, "management")
+                headers = {"Authorization": f"Bearer {key}"}
+                continue
             workers = r.json()[0].get("workers", []) if r.status_code == 200 else []
             if any(w.get("status") == "READY" for w in workers):
                 pending.pop(0)
@@ -190,6 +207,7 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
                              f"stop it with `inf2serve stop --run-dir {run_dir}`")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "key_file.json").unlink(missing_ok=True)
+    sizes = log_sizes(run_dir)
     ports = tuple(free_port() for _ in range(5))
     cfg = write_config_properties(run_dir, model_store, ports, workers, extra_props)
     cmd = [_torchserve_bin(python), "--start", "--ncs", "--model-store", str(model_store.resolve()),
@@ -207,11 +225,39 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
         # addresses only: the tokens stay in TorchServe's own key_file.json
         public = {k: str(v) for k, v in server.__dict__.items() if not k.endswith("_token")}
         (run_dir / "server.json").write_text(json.dumps(public))
-        wait_ready(server, models, ready_timeout_s)
+        wait_ready(server, models, ready_timeout_s, sizes)
     except BaseException:
         stop(run_dir)
         raise
     return server
+
+
+def fresh_token(run_dir: Path = DEFAULT_RUN_DIR, kind: str = "inference") -> tuple[str, str]:
+    """A new `kind` token (and its expiry) from the running TorchServe of `run_dir`.
+
+    TorchServe 0.12's token API: the management port's /token?type=inference|management,
+    authorized by the key file's "API" key, which never expires; it replaces that token (the
+    old one stops working) and rewrites key_file.json (TokenAuthorizationHandler.java:42-56,
+    TokenAuthorization.java:74-89,139-193)."""
+    run_dir = Path(run_dir).resolve()
+    if kind not in ("inference", "management"):
+        raise Inf2ServeError(f"--type {kind!r}: choose inference or management")
+    try:
+        info = json.loads((run_dir / "server.json").read_text())
+        api_key = json.loads((run_dir / "key_file.json").read_text())["API"]["key"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError) as exc:
+        raise Inf2ServeError(f"no TorchServe started by `inf2serve serve` in {run_dir} "
+                             f"({exc}); pass its --run-dir") from exc
+    try:
+        r = httpx.post(f"{info['management_url']}/token", params={"type": kind},
+                       headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    except httpx.HTTPError as exc:
+        raise Inf2ServeError(f"TorchServe at {info['management_url']} did not answer ({exc}); "
+                             f"is it running? (inf2serve serve --run-dir {run_dir})") from exc
+    if r.status_code != 200:
+        raise Inf2ServeError(f"TorchServe refused a new token: {r.status_code} {r.text.strip()}")
+    keys = json.loads((run_dir / "key_file.json").read_text())[kind]
+    return keys["key"], keys["expiration time"]
 
 
 def stop(run_dir: Path = DEFAULT_RUN_DIR, timeout_s: float = 60) -> bool:
@@ -252,11 +298,22 @@ def _kill_workers(run_dir: Path) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     server = start(Path(args.model_store), args.models or [], Path(args.run_dir),
-                   workers=args.workers, ready_timeout_s=args.timeout)
+                   workers=args.workers, ready_timeout_s=args.timeout,
+                   extra_props={"install_py_dep_per_model": "true"}
+                   if args.install_py_dep_per_model else None)
     model = (args.models or ["MODEL"])[0].split("=")[0]
     print(f"TorchServe is up: inference {server.inference_url} (token auth on)")
     print("try it:\n  " + server.curl_example(model))
+    print(f"the token expires in {TOKEN_EXPIRY_MIN // 60} h; a fresh one: "
+          f"inf2serve token --run-dir {args.run_dir}")
     print(f"stop it:\n  inf2serve stop --run-dir {args.run_dir}")
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    key, expires = fresh_token(Path(args.run_dir), args.type)
+    print(key if args.quiet else f"new {args.type} token (the previous one no longer works; "
+          f"expires {expires}):\n  {key}")
     return 0
 
 
@@ -276,7 +333,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help="config, keys and logs")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
+    p.add_argument("--install-py-dep-per-model", action="store_true",
+                   help="let TorchServe pip-install each archive's requirements.txt into its "
+                   "model folder at load (install_py_dep_per_model=true; needs network)")
     p.set_defaults(func=_serve)
+    t = sub.add_parser(
+        "token", help="get a fresh token from a running `inf2serve serve` (tokens expire)",
+        description=f"Ask the running TorchServe for a new token (TorchServe's token API, "
+        f"authorized by the API key in RUN_DIR/key_file.json). Tokens last "
+        f"{TOKEN_EXPIRY_MIN} minutes under `inf2serve serve` (TorchServe's own default: 60); "
+        "the new one replaces the old.\n\nexamples:\n  inf2serve token\n"
+        "  curl -H \"Authorization: Bearer $(inf2serve token -q)\" ...",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR))
+    t.add_argument("--type", default="inference", choices=("inference", "management"))
+    t.add_argument("-q", "--quiet", action="store_true", help="print the token only")
+    t.set_defaults(func=_token)
     s = sub.add_parser("stop", help="stop a TorchServe started by `inf2serve serve`")
     s.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR))
     s.set_defaults(func=_stop)

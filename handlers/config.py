@@ -19,7 +19,13 @@ from typing import Any
 import yaml
 
 from handlers.backends.synthetic_timing import PRESETS, resolve_timing
+from handlers.chat_template import PRESETS as CHAT_PRESETS
+from handlers.chat_template import is_inline
 from handlers.errors import ConfigError
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256  # per stop string: each is searched for at every step
+MAX_SEED = 2**63 - 1
 
 
 def _opt(default: Any, *, choices: tuple = (), lo: float | None = None, hi: float | None = None,
@@ -33,14 +39,19 @@ def _opt(default: Any, *, choices: tuple = (), lo: float | None = None, hi: floa
 
 @dataclass(frozen=True)
 class GenerationDefaults:
-    """Per-request defaults, used when a request leaves a field out."""
+    """Per-request defaults, used when a request leaves a field out: every request field
+    but `prompt` and `timeout` (whose default is handler.request_timeout_s)."""
 
     max_new_tokens: int = _opt(64, lo=1)
+    min_new_tokens: int = _opt(0, lo=0, doc="EOS suppressed until then; <= max_new_tokens")
     temperature: float = _opt(0.0, lo=0.0, doc="0 means greedy")
     top_k: int = _opt(0, lo=0, doc="0 disables top-k")
     top_p: float = _opt(1.0, lo=0.0, hi=1.0)
+    stop: list = _opt([], doc=f"up to {MAX_STOP_STRINGS} non-empty strings")
+    seed: int | None = _opt(None, lo=0, hi=MAX_SEED, doc="null = a random seed per request")
     stream: bool = _opt(True)
     stream_format: str = _opt("text", choices=("text", "ndjson"))
+    details: bool = _opt(False, doc="add the generated token ids to the final answer")
 
 
 @dataclass(frozen=True)
@@ -267,6 +278,15 @@ def _cross_check(cfg: ModelConfig) -> None:
     if not (0.0 < d.top_p <= 1.0) or d.temperature > 100.0:
         raise ConfigError(f"handler.defaults: top_p {d.top_p} must be in (0, 1] and temperature "
                           f"{d.temperature} in [0, 100], the ranges a request may ask for")
+    if d.min_new_tokens > d.max_new_tokens:
+        raise ConfigError(f"handler.defaults.min_new_tokens: {d.min_new_tokens} exceeds "
+                          f"handler.defaults.max_new_tokens {d.max_new_tokens}")
+    if (len(d.stop) > MAX_STOP_STRINGS
+            or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in d.stop)):
+        raise ConfigError(f"handler.defaults.stop: {d.stop!r}; expected at most "
+                          f"{MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} "
+                          "characters, the limits a request has")
+    _check_chat_template_name(h.chat_template)
     n = h.neuron
     bad = [x for x in n.context_length_estimate
            if isinstance(x, bool) or not isinstance(x, int) or not 0 < x <= h.max_length]
@@ -295,6 +315,22 @@ def _cross_check(cfg: ModelConfig) -> None:
             "frontend batches larger than 1")
     if fe.min_workers > fe.max_workers:
         raise ConfigError(f"minWorkers: {fe.min_workers} exceeds maxWorkers {fe.max_workers}")
+
+
+def _check_chat_template_name(setting: str) -> None:
+    """Catch a misspelt preset (`llama2`) without the checkpoint: a value that is not a
+    preset, not inline Jinja and not a file name (no suffix, no folder) can only be a typo.
+    Whether a named file exists is checked where the checkpoint is (package, validate)."""
+    if not setting or setting in CHAT_PRESETS or is_inline(setting):
+        return
+    path = Path(setting)
+    if path.suffix or len(path.parts) > 1:
+        return
+    close = difflib.get_close_matches(setting, list(CHAT_PRESETS), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"handler.chat_template: {setting!r} is not a preset "
+                      f"({', '.join(CHAT_PRESETS)}), inline Jinja, or a file name such as "
+                      f"chat.jinja{hint}")
 
 
 def _check_nxdi(h: HandlerConfig) -> None:

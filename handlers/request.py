@@ -14,12 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from handlers.backends.base import SamplingParams
-from handlers.config import HandlerConfig
+from handlers.config import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, HandlerConfig
 from handlers.errors import RequestError
 
-MAX_STOP_STRINGS = 8
-MAX_STOP_CHARS = 256  # per stop string: each is searched for at every step
-MAX_SEED = 2**63 - 1
 #: prompts longer than handler.max_length x this many characters are refused before
 #: tokenizing: tokenizing runs on the event loop every stream of the worker shares, and a
 #: 6 MB prompt (just under TorchServe's default max_request_size) took ~13 s with the demo
@@ -136,8 +133,8 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float,
     return float(value)
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    value = body.get("stop", [])
+def _stop(body: dict, default: list[str]) -> tuple[str, ...]:
+    value = body.get("stop", default)
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
@@ -181,10 +178,10 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
                            f"{config.max_length * MAX_CHARS_PER_TOKEN} characters are refused "
                            "untokenized")
     max_new = _int(body, "max_new_tokens", d.max_new_tokens, 1, config.max_new_tokens_limit)
-    min_new = _int(body, "min_new_tokens", 0, 0, max_new)
-    seed = body.get("seed")
+    min_new = _int(body, "min_new_tokens", min(d.min_new_tokens, max_new), 0, max_new)
+    seed = body.get("seed", d.seed)
     if seed is not None:
-        seed = _int(body, "seed", 0, 0, MAX_SEED)
+        seed = _int(body, "seed", seed, 0, MAX_SEED)
     sampling = SamplingParams(
         temperature=_float(body, "temperature", d.temperature, 0.0, 100.0),
         top_k=_int(body, "top_k", d.top_k, 0, 1_000_000),
@@ -199,11 +196,11 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
     fmt = body.get("stream_format", d.stream_format)
     if fmt not in ("text", "ndjson"):
         raise RequestError("stream_format", f"{fmt!r} is not allowed; choose 'text' or 'ndjson'")
-    details = body.get("details", False)
+    details = body.get("details", d.details)
     if not isinstance(details, bool):
         raise RequestError("details", f"expected true or false, got {details!r}")
     return GenerationRequest(prompt=prompt, max_new_tokens=max_new, min_new_tokens=min_new,
-                             sampling=sampling, stop=_stop(body), stream=stream,
+                             sampling=sampling, stop=_stop(body, d.stop), stream=stream,
                              stream_format=fmt, details=details,
                              timeout_s=_timeout(body, config))
 

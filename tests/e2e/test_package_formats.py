@@ -2,12 +2,14 @@
 
 The server runs from a separate virtualenv with torchserve, torch and transformers
 but without inf2serve (tests/e2e/_venv.py), so each archive must carry its own
-runtime. One TorchServe serves all four archives (one model per format) to keep
-the suite fast; the SageMaker export is served through its own `serve` script.
+runtime. One TorchServe serves all four archives (one model per format), and one
+packaged with a user's handler subclass, extra files and requirements, to keep the
+suite fast; the SageMaker export is served through its own `serve` script.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -32,6 +34,32 @@ pytestmark = [
 CONFIG = Path(__file__).resolve().parents[2] / "model_configs" / "tiny-llama-cpu.yaml"
 REQUEST = {"prompt": "Hello", "max_new_tokens": 8, "min_new_tokens": 8}
 NAMES = {fmt: f"tiny-{fmt}" for fmt in FORMATS}
+CUSTOM = "tiny-custom"
+#: a user's handler: pre-processing that caps every request with settings from its extra
+#: files (a module and a JSON file beside it at the top of the archive)
+USER_HANDLER = """
+import json
+
+from capped_settings import SETTINGS
+
+from handlers.generation_handler import GenerationHandler
+
+
+class CappedHandler(GenerationHandler):
+    async def serve_one(self, writer, item):
+        key = "body" if "body" in item else "data"
+        body = item[key]
+        if isinstance(body, (bytes, bytearray)):
+            body = json.loads(body)
+        return await super().serve_one(writer, {**item, key: {**body, **SETTINGS}})
+"""
+USER_MODULE = """
+import json
+from pathlib import Path
+
+SETTINGS = json.loads((Path(__file__).parent / "capped.json").read_text())
+"""
+CAPPED = {"max_new_tokens": 3, "min_new_tokens": 3, "stream_format": "ndjson"}
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +79,15 @@ def store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     out = tmp_path_factory.mktemp("model_store")
     for fmt, name in NAMES.items():
         package(CONFIG, tiny_checkpoint, name, fmt, out)
+    user = tmp_path_factory.mktemp("user")
+    (user / "capped_handler.py").write_text(USER_HANDLER)
+    (user / "capped_settings.py").write_text(USER_MODULE)
+    (user / "capped.json").write_text(json.dumps(CAPPED))
+    # installed only with install_py_dep_per_model=true (off here: no network in tests)
+    (user / "r.txt").write_text("inf2serve-e2e-never-installed==0.0.1\n")
+    package(CONFIG, tiny_checkpoint, CUSTOM, "mar", out, handler=user / "capped_handler.py",
+            extra_files=f"{user / 'capped_settings.py'},{user / 'capped.json'}",
+            requirements_file=user / "r.txt", version="2.0")
     return out
 
 
@@ -74,7 +111,7 @@ def test_every_format_is_served_and_streams(store: Path, serving_python: Path, t
                                             monkeypatch) -> None:
     monkeypatch.delenv("PYTHONPATH", raising=False)  # the worker must not find our sources
     run_dir = tmp_path / "run"
-    server = serve.start(store, list(NAMES.values()), run_dir, python=str(serving_python),
+    server = serve.start(store, [*NAMES.values(), CUSTOM], run_dir, python=str(serving_python),
                          ready_timeout_s=300, extra_props=isolated_ports())
     try:
         log = (run_dir / "logs" / "ts_log.log").read_text(errors="replace")
@@ -85,6 +122,13 @@ def test_every_format_is_served_and_streams(store: Path, serving_python: Path, t
             assert r.status_code == 200, (fmt, "".join(chunks))
             assert r.headers.get("transfer-encoding") == "chunked", fmt  # streamed, not buffered
             assert "".join(chunks).strip(), f"{fmt}: empty text"
+            assert not "".join(chunks).startswith("{"), f"{fmt}: raw text, not the custom NDJSON"
+        # the user's subclass ran: the 8-token text request came back as 3 tokens of NDJSON
+        r, chunks = stream(f"{server.inference_url}/predictions/{CUSTOM}/2.0",
+                           server.inference_token)
+        lines = [json.loads(line) for line in "".join(chunks).splitlines() if line.strip()]
+        assert r.status_code == 200, "".join(chunks)
+        assert lines[-1]["completion_tokens"] == 3 and lines[-1]["finish_reason"] == "length"
     finally:
         assert serve.stop(run_dir)
     assert not serve._alive(server.pid)

@@ -28,9 +28,17 @@ def make_checkpoint(path: Path, nbytes: int = 1 << 16) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
                                                  "model_type": "llama", "dtype": "float32"}))
-    (path / "tokenizer.json").write_text("{}")
+    (path / "tokenizer.json").write_text(tiny_tokenizer_json())
     save_file({"w": torch.randn(nbytes // 4)}, str(path / "model.safetensors"))
     return path
+
+
+def tiny_tokenizer_json() -> str:
+    """A tokenizer.json that loads (package loads it as the worker will)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    return Tokenizer(WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).to_str()
 
 
 def tree(root: Path) -> dict[str, tuple[int, int]]:

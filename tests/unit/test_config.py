@@ -72,3 +72,46 @@ def test_deadline_defaults_and_no_cap():
     assert (h.request_timeout_s, h.max_request_timeout_s) == (300.0, 3600.0)
     h = parse_config({"handler": {"request_timeout_s": 0, "max_request_timeout_s": 0}}).handler
     assert h.request_timeout_s == 0  # no deadline, no cap: an operator's explicit choice
+
+
+def test_every_defaultable_request_field_has_a_default():
+    """README's request table: every field but prompt and timeout takes handler.defaults."""
+    from handlers.request import FIELDS, parse_request
+
+    d = {"max_new_tokens": 9, "min_new_tokens": 3, "temperature": 0.5, "top_k": 7,
+         "top_p": 0.9, "stop": ["\n\n"], "seed": 11, "stream": False,
+         "stream_format": "ndjson", "details": True}
+    assert set(d) == set(FIELDS) - {"prompt", "timeout"}
+    h = parse_config({"handler": {"defaults": d}}).handler
+    r = parse_request({"prompt": "hi"}, h)
+    assert (r.max_new_tokens, r.min_new_tokens, r.stop, r.stream, r.stream_format,
+            r.details) == (9, 3, ("\n\n",), False, "ndjson", True)
+    s = r.sampling
+    assert (s.temperature, s.top_k, s.top_p, s.seed) == (0.5, 7, 0.9, 11)
+    # a request's own values win; a smaller max_new_tokens caps the default minimum
+    r = parse_request({"prompt": "hi", "stop": [], "seed": 1, "max_new_tokens": 2}, h)
+    assert (r.stop, r.sampling.seed, r.min_new_tokens) == ((), 1, 2)
+
+
+@pytest.mark.parametrize("defaults, expected", [
+    ({"min_new_tokens": 65}, "handler.defaults.min_new_tokens: 65 exceeds"),
+    ({"stop": [""]}, "handler.defaults.stop"),
+    ({"stop": ["x"] * 9}, "handler.defaults.stop"),
+    ({"stop": "x"}, "handler.defaults.stop: expected list"),
+    ({"seed": -1}, "handler.defaults.seed: -1 is out of range"),
+    ({"details": "yes"}, "handler.defaults.details: expected bool"),
+])
+def test_request_defaults_are_validated(defaults, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse_config({"handler": {"defaults": defaults}})
+
+
+@pytest.mark.parametrize("setting", ["llama2", "Llama-2", "llama_2"])
+def test_chat_template_typo_names_the_preset(setting):
+    with pytest.raises(ConfigError, match="handler.chat_template: .*did you mean 'llama-2'"):
+        parse_config({"handler": {"chat_template": setting}})
+
+
+@pytest.mark.parametrize("setting", ["llama-2", "chat.jinja", "templates/chat", "{{ x }}", ""])
+def test_chat_template_presets_files_and_jinja_pass(setting):
+    assert parse_config({"handler": {"chat_template": setting}}).handler.chat_template == setting

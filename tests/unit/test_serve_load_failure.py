@@ -1,0 +1,68 @@
+"""`serve` sees a worker that dies while loading from TorchServe's logs (lines as TorchServe
+0.12 writes them, taken from a real run) and says why, instead of waiting for READY."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from archive_tools import ts_logs
+
+TS_LOG = """\
+2026-11-23T00:48:12,747 [INFO ] W-9000-bad_1.0-stdout MODEL_LOG - engine process 9109: loading the model failed
+2026-11-23T00:48:14,367 [INFO ] epollEventLoopGroup-5-1 org.pytorch.serve.wlm.AsyncWorkerThread - 9000 Worker disconnected. WORKER_STARTED
+"""  # noqa: E501
+MODEL_LOG = """\
+2026-11-23T00:48:12,808 [INFO ] W-9000-bad_1.0-stdout MODEL_LOG - model_name: bad, batchSize: 1
+2026-11-23T00:48:14,159 [INFO ] W-9000-bad_1.0-stdout MODEL_LOG - Backend worker process died.
+2026-11-23T00:48:14,164 [INFO ] W-9000-bad_1.0-stdout MODEL_LOG - Traceback (most recent call last):
+2026-11-23T00:48:14,164 [INFO ] W-9000-bad_1.0-stdout MODEL_LOG -   File "ts/model_loader.py", line 143, in load
+2026-11-23T00:48:14,177 [INFO ] W-9000-bad_1.0-stdout MODEL_LOG - ValueError: `tiktoken` is required to read a `tiktoken` file.
+2026-11-23T00:48:14,177 [INFO ] W-9000-bad_1.0-stdout MODEL_LOG - raised in the engine process 9109:
+2026-11-23T00:48:14,178 [INFO ] W-9000-bad_1.0-stdout MODEL_LOG - ModuleNotFoundError: No module named 'tiktoken'
+2026-11-23T00:48:14,198 [INFO ] W-9000-bad_1.0-stdout MODEL_LOG - ValueError: `tiktoken` is required to read a `tiktoken` file.
+"""  # noqa: E501
+LOADED = ("2026-11-23T00:50:00,000 [INFO ] epollEventLoopGroup-5-1 org.pytorch.serve.wlm."
+          "AsyncWorkerThread - 9000 Worker disconnected. WORKER_MODEL_LOADED\n")
+
+
+def write_logs(run_dir: Path, ts: str, model: str) -> None:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "ts_log.log", "a") as f:
+        f.write(ts)
+    with open(logs / "model_log.log", "a") as f:
+        f.write(model)
+
+
+def test_death_at_load_names_the_model_and_the_error(tmp_path: Path) -> None:
+    sizes = ts_logs.log_sizes(tmp_path)
+    write_logs(tmp_path, TS_LOG, MODEL_LOG)
+    why = ts_logs.load_failure(tmp_path, sizes)
+    first, *rest = why.splitlines()
+    assert first == ("model bad: a worker died while loading the model: ValueError: `tiktoken` "
+                     "is required to read a `tiktoken` file.")
+    assert "  ModuleNotFoundError: No module named 'tiktoken'" in rest
+    assert not any("model_name: bad" in line for line in rest)  # only what follows the death
+
+
+def test_no_failure_while_loading_or_after_loaded(tmp_path: Path) -> None:
+    sizes = ts_logs.log_sizes(tmp_path)
+    write_logs(tmp_path, "", MODEL_LOG.splitlines(keepends=True)[0])
+    assert ts_logs.load_failure(tmp_path, sizes) is None
+    write_logs(tmp_path, LOADED, "")  # a worker lost after READY is TorchServe's to restart
+    assert ts_logs.load_failure(tmp_path, sizes) is None
+
+
+def test_an_earlier_runs_failure_is_not_this_ones(tmp_path: Path) -> None:
+    write_logs(tmp_path, TS_LOG, MODEL_LOG)
+    assert ts_logs.load_failure(tmp_path, ts_logs.log_sizes(tmp_path)) is None
+
+
+def test_polls_read_only_new_whole_lines(tmp_path: Path) -> None:
+    scanned = ts_logs.log_sizes(tmp_path)
+    head, tail = TS_LOG.split("Worker disconnected. WORKER_")
+    write_logs(tmp_path, head + "Worker disconnected. WORKER_", "")
+    assert not ts_logs.died_at_load(tmp_path, scanned)  # half a line: not yet
+    write_logs(tmp_path, tail, "")
+    assert ts_logs.died_at_load(tmp_path, scanned)
+    assert not ts_logs.died_at_load(tmp_path, scanned)  # already read
