@@ -87,7 +87,8 @@ def test_unknown_endpoint_is_404(service) -> None:
 
 
 def test_completion_maps_openai_fields_onto_the_native_request(service) -> None:
-    body = {"model": "m", "prompt": "hi there", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9,
+    body = {"model": "model", "prompt": "hi there", "max_tokens": 5, "temperature": 0.5,
+            "top_p": 0.9,
             "stop": ["ok"], "seed": 3, "frequency_penalty": 0, "presence_penalty": 0.0,
             "user": "u1", "logprobs": None, "n": 1, "echo": False, "best_of": None}
     prepared = CompletionsApi().prepare(body, "application/json", service)
@@ -96,7 +97,7 @@ def test_completion_maps_openai_fields_onto_the_native_request(service) -> None:
     assert (r.sampling.temperature, r.sampling.top_p, r.sampling.seed) == (0.5, 0.9, 3)
     assert prepared.prompt_ids == [1, 7, 8]
     assert isinstance(prepared.framer, OpenAIJsonFramer)
-    assert prepared.framer.meta.model == "m" and prepared.framer.meta.id.startswith("cmpl-")
+    assert prepared.framer.meta.model == "model" and prepared.framer.meta.id.startswith("cmpl-")
 
 
 def test_stream_and_defaults_follow_openai_not_the_native_config(service) -> None:
@@ -113,13 +114,19 @@ def test_stream_and_defaults_follow_openai_not_the_native_config(service) -> Non
     ({"prompt": "hi", "max_tokens": 10_000}, "max_tokens"),
     ({"prompt": "hi", "min_tokens": 99}, "min_tokens"),
     ({"prompt": "hi", "temperature": "hot"}, "temperature"),
-    ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 1, "stream": True}, "logprobs"),
+    ({"prompt": "hi", "echo": 1}, "echo"),
+    ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
     ({"prompt": "hi", "model": 3}, "model"),
     ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": [1, 99]}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "hi", "messages": []}, "messages"),
 ])
