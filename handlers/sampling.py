@@ -28,7 +28,9 @@ class RowSampler:
         self.params = params
         self.generated = 0
         self.last: TokenLogprob | None = None  # the last token's, when params.logprobs is set
-        self._prompt = prompt if params.penalized else ()
+        self._penalized = params.penalized  # read per token: plain attributes, no property
+        self._logprobs = params.logprobs
+        self._prompt = prompt if self._penalized else ()
         self._counts: torch.Tensor | None = None  # [vocab] output counts (penalties only)
         self._seen: torch.Tensor | None = None  # [vocab] in prompt or output (repetition)
         self._eos = sorted(eos_ids)
@@ -51,9 +53,9 @@ class RowSampler:
         """logits: [vocab] (float) for this row's last position."""
         scores = logits.float().unsqueeze(0)  # [1, vocab]
         logprobs = None
-        if self.params.logprobs is not None:  # of the model's own distribution
+        if self._logprobs is not None:  # of the model's own distribution
             logprobs = torch.log_softmax(scores[0], dim=-1)
-        if self.params.penalized:
+        if self._penalized:
             scores = self._penalize(scores)
         if self.generated < self.params.min_new_tokens and self._eos:
             scores[:, self._eos] = float("-inf")
@@ -66,7 +68,7 @@ class RowSampler:
             probs = torch.softmax(scores, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=self._gen))
         if logprobs is not None:
-            self.last = token_logprob(logprobs, token, self.params.logprobs)
+            self.last = token_logprob(logprobs, token, self._logprobs)
         if self._counts is not None:
             self._counts[token] += 1
             self._seen[token] = True
