@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from handlers.errors import RequestError
 from handlers.framing import Framer, TextFramer, native_framer
 from handlers.request import GenerationRequest, decode_body, parse_request
 
@@ -55,8 +54,8 @@ def select_api(url_path: str | None) -> Api:
     path = (url_path or "").strip("/")
     if not path:
         return NativeApi()
-    if path.startswith("v1/"):
-        from handlers.openai_api import openai_api  # here: it imports this module
+    from handlers.openai_api import openai_api  # here: it imports this module
 
-        return openai_api(path)
-    raise RequestError("url_path", f"unknown endpoint {path!r}", status=404)
+    # v1/... and the probes OpenAI-ecosystem clients send (health, ping, version); anything
+    # else is theirs too (the native API has no path), so its 404 is in OpenAI's shape
+    return openai_api(path)

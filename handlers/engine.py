@@ -253,11 +253,21 @@ class Engine:
         finished = []
         for seq, token in zip(seqs, tokens, strict=True):
             reason = seq.add(token, eos, max_length)
+            if seq.sampling.logprobs is not None:  # only requests that ask pay for this
+                self._record_logprobs(seq)
             self._items.append((seq, token, reason))
             if reason is not None:
                 finished.append(seq)
         if finished:  # their slots are free for the next step's newcomers
             self._release(finished)
+
+    def _record_logprobs(self, seq: Sequence) -> None:
+        """The backend's logprob of the token just added (and, after prefill, the prompt's)."""
+        if seq.logprobs is None:
+            seq.logprobs = []
+            if seq.sampling.prompt_logprobs is not None:
+                seq.prompt_logprobs = self.backend.prompt_logprobs(seq.slot)
+        seq.logprobs.append(self.backend.token_logprobs(seq.slot))
 
     def _release(self, seqs: list[Sequence]) -> None:
         with self._cond:
@@ -287,7 +297,7 @@ class Engine:
                                   (seq.first_token_at - seq.arrived_at) * 1000, "ms")
                 text, reason = seq.render(token, what)
                 if text:
-                    out.append((seq, TextEvent(text)))
+                    out.append((seq, TextEvent(text, seq.shown)))
                 if reason is not None:
                     out.append((seq, self._finish(seq, reason)))
             elif what == "timeout":

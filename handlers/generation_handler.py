@@ -259,9 +259,12 @@ class GenerationHandler:
                 return writer.finish(prepared.body)
             framer = prepared.framer
             writer.begin(framer)
+            # a framer that counts tokens per chunk (OpenAI continuous usage) reads the
+            # text events in `stream`; every other answer's text skips the coroutine
+            counting = getattr(framer, "counts_tokens", False)
             events = self.service.submit(context.get_request_id(idx), prepared.request,
                                          prepared.prompt_ids, asyncio.get_running_loop(),
-                                         on_text=writer.add_text)
+                                         on_text=None if counting else writer.add_text)
         except RequestError as exc:
             return writer.fail(exc.status, framer.error(exc.status, exc.message, exc.field))
         except CapacityError as exc:
@@ -281,12 +284,15 @@ class GenerationHandler:
         Text that queued up goes out as one chunk either way: fewer, larger chunks when
         the engine outruns the socket, the same text.
         """
+        counting = getattr(framer, "counts_tokens", False)
         while True:
             batch = [await events.get()]
             while not events.empty():
                 batch.append(events.get_nowait())
             for event in batch:
                 if isinstance(event, TextEvent):
+                    if counting:  # tokens so far, for the chunk that will hold this text
+                        framer.tokens = event.tokens
                     writer.add_text(event.text)
             end = batch[-1]
             if isinstance(end, FinishEvent):

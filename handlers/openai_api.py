@@ -6,7 +6,9 @@ fields this server honours, mapped onto the native fields and validated by the
 same `parse_request`, so batching, limits and streaming are the native ones; only
 the names in errors (max_tokens, messages) and the wire format are OpenAI's.
 Fields clients send with harmless default values are accepted; any other value,
-and any unknown field, is rejected naming the field.
+and any unknown field, is rejected naming the field. The fields beyond the native
+ones (penalties, logprobs, ignore_eos, ...) live in handlers/openai_extensions.py;
+the probes clients send before a run (health, ping, version, v1/models) are here.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from handlers.apis import Api, Immediate, Prepared
 from handlers.chat_template import encode_chat, render_chat
 from handlers.errors import RequestError
+from handlers.openai_extensions import EXTENSIONS, extensions, logprobs_asked, stream_options
 from handlers.openai_framing import OpenAIErrorFramer, ResponseMeta, openai_framer
 from handlers.request import (
     GenerationRequest,
@@ -43,14 +47,9 @@ def _number(expected: int) -> Callable[[Any], bool]:
 
 
 HARMLESS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (_number(1), "1 (one choice per request)"),
-    "frequency_penalty": (_number(0), "0"),
-    "presence_penalty": (_number(0), "0"),
+    "n": (_number(1), "1 (one choice per request: choices do not share a prefill here)"),
     "logit_bias": (lambda v: v == {}, "{} or null"),
-    "logprobs": (lambda v: v is False, "false or null"),
-    "top_logprobs": (_number(0), "0 or null"),
     "user": (lambda v: isinstance(v, str), "a string"),
-    "echo": (lambda v: v is False, "false"),
     "best_of": (_number(1), "1"),
     "suffix": (lambda v: v == "", "\"\" or null"),
     "store": (lambda v: v is False, "false"),
@@ -61,15 +60,16 @@ HARMLESS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tool_choice": (lambda v: v in ("none", "auto"), "'none' (no tool calling)"),
     "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false"),
 }
-COMMON = ("model", "stream_options", "n", "frequency_penalty", "presence_penalty", "logit_bias",
-          "user", *[k for k in MAPPED if k != "max_tokens"])
+COMMON = ("model", "stream_options", "n", "logit_bias", "user", *EXTENSIONS,
+          *[k for k in MAPPED if k != "max_tokens"])
 COMPLETION_FIELDS = ("prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix", *COMMON)
 CHAT_FIELDS = ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
                "store", "metadata", "service_tier", "response_format", "tools", "tool_choice",
                "parallel_tool_calls", *COMMON)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MESSAGE_KEYS = ("role", "content", "name")
-ENDPOINTS = ("v1/completions", "v1/chat/completions", "v1/models")
+ENDPOINTS = ("v1/completions", "v1/chat/completions", "v1/models", "v1/models/{model}",
+             "health", "ping", "version")
 
 
 def decode_json(payload: Any, content_type: str) -> dict[str, Any]:
@@ -98,21 +98,6 @@ def check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, An
     return body
 
 
-def include_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if body.get("stream") is not True:
-        raise RequestError("stream_options", "only allowed when stream is true")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise RequestError("stream_options", "expected {\"include_usage\": true|false}")
-    value = options.get("include_usage", False)
-    if not isinstance(value, bool):
-        raise RequestError("stream_options", f"include_usage: expected true or false, "
-                           f"got {value!r}")
-    return value
-
-
 def to_generation_request(body: dict[str, Any], prompt: str, config: Any,
                           names: dict[str, str]) -> GenerationRequest:
     """Validate through the native parser; `names` maps native fields back for errors."""
@@ -133,18 +118,29 @@ def check_fit(prompt_ids: list[int], request: GenerationRequest, max_length: int
         raise RequestError(names.get(exc.field, exc.field), exc.message, exc.status) from exc
 
 
-def completion_prompt(body: dict[str, Any]) -> str:
+def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    """One prompt: text, or token ids (lm-evaluation-harness sends [[ids]] by default)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
     if isinstance(prompt, list):
-        raise RequestError("prompt", "send one prompt as a string; lists of prompts and "
-                           "token-id prompts are not supported")
+        raise RequestError("prompt", "send one prompt per request: a string, a list of token "
+                           "ids, or a list holding one of them (lm-evaluation-harness: "
+                           "batch_size=1)")
     if not isinstance(prompt, str):
         raise RequestError("prompt", f"required: a non-empty string, got {prompt!r}")
     return prompt
 
 
+def check_token_ids(ids: list[int], tokenizer: Any) -> None:
+    vocab = len(tokenizer)
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError("prompt", f"token id {bad} is out of range; this model's vocabulary "
+                           f"has ids 0 to {vocab - 1}")
 def _content(value: Any, where: str) -> str:
     """A message's text: a string or a list of {"type": "text", "text": ...} parts."""
     if isinstance(value, str):
@@ -198,11 +194,29 @@ def _checkpoint_dir(service: Any) -> str:
     return str(getattr(service.tokenizer, "name_or_path", "") or "model")
 
 
-def _meta(body: dict[str, Any], service: Any, chat: bool) -> ResponseMeta:
-    model = body.get("model") or served_name(_checkpoint_dir(service))
+def model_name(body: dict[str, Any], service: Any) -> str:
+    """The served name; a request naming another model is a 404 that says which one is
+    served (OpenAI answers an unknown model with 404; vLLM does too)."""
+    served = served_name(_checkpoint_dir(service))
+    asked = body.get("model")
+    if asked not in (None, served):
+        raise RequestError("model", f"the model {asked!r} does not exist; this endpoint serves "
+                           f"{served!r} (GET v1/models lists it)", status=404)
+    return served
+
+
+def _meta(body: dict[str, Any], service: Any, chat: bool, **extra: Any) -> ResponseMeta:
+    model = model_name(body, service)
     prefix = "chatcmpl" if chat else "cmpl"
+    include, continuous = stream_options(body)
     return ResponseMeta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, chat,
-                        include_usage(body))
+                        include, continuous, **extra)
+
+
+def _no_stream_logprobs(body: dict[str, Any], logprobs: int | None) -> None:
+    if logprobs is not None and body.get("stream"):
+        raise RequestError("logprobs", "not supported with \"stream\": true here; send the "
+                           "request without streaming")
 
 
 class CompletionsApi:
@@ -213,12 +227,44 @@ class CompletionsApi:
 
     def prepare(self, payload: Any, content_type: str, service: Any) -> Prepared:
         body = check_fields(decode_json(payload, content_type), COMPLETION_FIELDS)
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise RequestError("echo", f"expected true or false, got {echo!r}")
         prompt = completion_prompt(body)
-        request = to_generation_request(body, prompt, service.config.handler, self.names)
-        meta = _meta(body, service, chat=False)
-        prompt_ids = service.encode(request.prompt)
+        if isinstance(prompt, list):
+            check_token_ids(prompt, service.tokenizer)
+            prompt_ids, text = prompt, service.tokenizer.decode(prompt)
+        else:
+            prompt_ids, text = None, prompt
+        # max_tokens 0 with echo scores the prompt alone (lm-evaluation-harness, vLLM): one
+        # token is generated and not shown
+        score_only = echo and body.get("max_tokens") == 0
+        if score_only:
+            body["max_tokens"] = 1
+        handler = service.config.handler
+        request = to_generation_request(body, text if text.strip() else prompt_placeholder(text),
+                                        handler, self.names)
+        logprobs = logprobs_asked(body, chat=False)
+        _no_stream_logprobs(body, logprobs)
+        if echo and body.get("stream"):
+            raise RequestError("echo", "not supported with \"stream\": true here")
+        request = replace(request, sampling=extensions(body, request.sampling, handler,
+                                                       logprobs, echo))
+        if prompt_ids is None:
+            prompt_ids = service.encode(request.prompt)
+        token_text = functools.partial(token_string, service.tokenizer)
+        meta = _meta(body, service, chat=False, echo=text if echo else None,
+                     echo_ids=tuple(prompt_ids), hide_generated=score_only,
+                     token_text=token_text)
         check_fit(prompt_ids, request, service.backend.max_length, self.names)
-        return Prepared(request, prompt_ids, openai_framer(meta, request.stream))
+        return Prepared(request, prompt_ids,
+                        openai_framer(meta, request.stream, len(prompt_ids)))
+
+
+def prompt_placeholder(text: str) -> str:
+    """Token ids that decode to blanks (special tokens) still make a request: the native
+    parser wants non-blank text, and the ids, not this text, are what runs."""
+    return text + "\u2423"
 
 
 class ChatCompletionsApi:
@@ -239,10 +285,31 @@ class ChatCompletionsApi:
         handler = service.config.handler
         text = render_chat(service.tokenizer, messages, handler.chat_template)
         request = to_generation_request(body, text, handler, names)
-        meta = _meta(body, service, chat=True)
+        logprobs = logprobs_asked(body, chat=True)
+        _no_stream_logprobs(body, logprobs)
+        request = replace(request, sampling=extensions(body, request.sampling, handler,
+                                                       logprobs, echo=False))
+        token_text = functools.partial(token_string, service.tokenizer)
+        meta = _meta(body, service, chat=True, token_text=token_text)
         prompt_ids = encode_chat(service.tokenizer, text)
         check_fit(prompt_ids, request, service.backend.max_length, names)
-        return Prepared(request, prompt_ids, openai_framer(meta, request.stream))
+        return Prepared(request, prompt_ids,
+                        openai_framer(meta, request.stream, len(prompt_ids)))
+
+
+def token_string(tokenizer: Any, token: int) -> str:
+    """A token's text as OpenAI lists it in logprobs (its decoded piece)."""
+    return tokenizer.decode([token])
+
+
+def _model_card(service: Any) -> dict[str, Any]:
+    checkpoint = _checkpoint_dir(service)
+    try:
+        created = int(Path(checkpoint).stat().st_mtime)
+    except OSError:
+        created = 0
+    return {"id": served_name(checkpoint), "object": "model", "created": created,
+            "owned_by": "inf2serve", "max_model_len": service.backend.max_length}
 
 
 class ModelsApi:
@@ -251,18 +318,57 @@ class ModelsApi:
     error_framer = OpenAIErrorFramer()
 
     def prepare(self, payload: Any, content_type: str, service: Any) -> Immediate:
-        checkpoint = _checkpoint_dir(service)
+        return Immediate(json.dumps({"object": "list", "data": [_model_card(service)]}))
+
+
+class ModelApi:
+    """GET v1/models/{model}: the model's card, or 404 naming the served one."""
+
+    error_framer = OpenAIErrorFramer()
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def prepare(self, payload: Any, content_type: str, service: Any) -> Immediate:
+        model_name({"model": self.name}, service)
+        return Immediate(json.dumps(_model_card(service)))
+
+
+class HealthApi:
+    """GET health / ping (vLLM's and TGI's probes; GuideLLM calls `health` before a run):
+    200 once the model is loaded -- TorchServe hands a request to this handler only then --
+    and 503 while the engine process is being restarted."""
+
+    error_framer = OpenAIErrorFramer()
+
+    def __init__(self, body: str) -> None:
+        self.body = body
+
+    def prepare(self, payload: Any, content_type: str, service: Any) -> Immediate:
+        down = getattr(service.engine, "_down", None)  # EngineClient: why a restart failed
+        if down is not None:
+            raise RequestError("", f"the model process is down ({down}); it is being "
+                               "restarted", status=503)
+        return Immediate(self.body)
+
+
+class VersionApi:
+    """GET version (vLLM's route): this server's version."""
+
+    error_framer = OpenAIErrorFramer()
+
+    def prepare(self, payload: Any, content_type: str, service: Any) -> Immediate:
         try:
-            created = int(Path(checkpoint).stat().st_mtime)
-        except OSError:
-            created = 0
-        model = {"id": served_name(checkpoint), "object": "model", "created": created,
-                 "owned_by": "inf2serve", "max_model_len": service.backend.max_length}
-        return Immediate(json.dumps({"object": "list", "data": [model]}))
+            from importlib.metadata import version
+
+            ours = version("inf2serve")
+        except Exception:  # an archive served without the package installed
+            ours = "unknown"
+        return Immediate(json.dumps({"version": ours}))
 
 
 class UnknownEndpoint:
-    """A v1/ path we do not serve: 404 in OpenAI's error shape."""
+    """A path we do not serve: 404 in OpenAI's error shape."""
 
     error_framer = OpenAIErrorFramer()
 
@@ -271,15 +377,24 @@ class UnknownEndpoint:
 
     def prepare(self, payload: Any, content_type: str, service: Any) -> Prepared:
         raise RequestError("", f"unknown endpoint {self.path!r}; this model serves "
-                           f"{', '.join(ENDPOINTS)}", status=404)
+                           f"{', '.join(ENDPOINTS)} (under /predictions/MODEL/VERSION/)",
+                           status=404)
 
 
-ROUTES: dict[str, Callable[[], Api]] = {"v1/completions": CompletionsApi,
-                                        "v1/chat/completions": ChatCompletionsApi,
-                                        "v1/models": ModelsApi}
+ROUTES: dict[str, Callable[[], Api]] = {
+    "v1/completions": CompletionsApi,
+    "v1/chat/completions": ChatCompletionsApi,
+    "v1/models": ModelsApi,
+    "health": functools.partial(HealthApi, ""),
+    "ping": functools.partial(HealthApi, json.dumps({"status": "Healthy"})),
+    "version": VersionApi,
+}
 
 
 def openai_api(path: str) -> Api:
-    """The Api for a url_path starting with v1/ (called by handlers.apis.select_api)."""
-    factory = ROUTES.get(path.strip("/"))
+    """The Api for a url_path (called by handlers.apis.select_api for any non-empty path)."""
+    path = path.strip("/")
+    if path.startswith("v1/models/") and path.count("/") == 2:
+        return ModelApi(path.rsplit("/", 1)[1])
+    factory = ROUTES.get(path)
     return factory() if factory else UnknownEndpoint(path)

@@ -10,9 +10,11 @@ wire); `final` carries the finish_reason event, the optional usage event and
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from handlers.backends.base import TokenLogprob
 from handlers.framing import ERROR_TYPES
 from handlers.scheduler import FinishEvent
 
@@ -31,23 +33,79 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def usage(event: FinishEvent) -> dict:
-    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens}
+def usage(event: FinishEvent, hidden: bool = False) -> dict:
+    return counts(event.prompt_tokens, 0 if hidden else event.completion_tokens)
+
+
+def counts(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 @dataclass(frozen=True)
 class ResponseMeta:
-    """What every object of one response repeats."""
+    """What every object of one response repeats, and what the request asked to see."""
 
     id: str
     created: int
     model: str
     chat: bool
     include_usage: bool = False
+    continuous_usage: bool = False  # usage on every chunk (vLLM's continuous_usage_stats)
+    echo: str | None = None  # completions `echo`: the prompt text, put before the answer
+    echo_ids: tuple[int, ...] = ()  # its token ids (logprobs with echo)
+    hide_generated: bool = False  # echo with max_tokens 0: the prompt alone is the answer
+    token_text: Callable[[int], str] = str  # a token id's text in logprobs
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def completion_logprobs(meta: ResponseMeta, event: FinishEvent) -> dict | None:
+    """Completions' shape: {tokens, token_logprobs, top_logprobs, text_offset}; each
+    top_logprobs entry maps token text to logprob and holds the chosen token too (as vLLM
+    answers); the prompt's first token has null entries. Offsets index the answer's text."""
+    if event.logprobs is None:
+        return None
+    ids: list[int] = []
+    entries: list[TokenLogprob | None] = []
+    if meta.echo is not None and event.prompt_logprobs is not None:
+        ids += meta.echo_ids
+        entries += event.prompt_logprobs
+    if not meta.hide_generated:
+        ids += event.token_ids
+        entries += event.logprobs
+    text = meta.token_text
+    tokens = [text(t) for t in ids]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    top = []
+    for token, entry in zip(tokens, entries, strict=True):
+        if entry is None:
+            top.append(None)
+            continue
+        alternatives = {text(t): v for t, v in entry[1]}
+        alternatives.setdefault(token, entry[0])
+        top.append(alternatives)
+    return {"tokens": tokens, "token_logprobs": [e[0] if e else None for e in entries],
+            "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(meta: ResponseMeta, event: FinishEvent) -> dict | None:
+    """Chat's shape: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob,
+    bytes}]}]}."""
+    if event.logprobs is None:
+        return None
+
+    def item(token: int, logprob: float) -> dict:
+        text = meta.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = [{**item(t, e[0]), "top_logprobs": [item(i, v) for i, v in e[1]]}
+               for t, e in zip(event.token_ids, event.logprobs, strict=True) if e is not None]
+    return {"content": content, "refusal": None}
 
 
 class OpenAIErrorFramer:
@@ -76,16 +134,19 @@ class OpenAIJsonFramer(OpenAIErrorFramer):
         self.meta = meta
 
     def final(self, event: FinishEvent) -> str:
-        if self.meta.chat:
+        meta = self.meta
+        if meta.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": event.text},
-                      "logprobs": None, "finish_reason": event.reason}
-            obj = self.meta.head("chat.completion")
+                      "logprobs": chat_logprobs(meta, event), "finish_reason": event.reason}
+            obj = meta.head("chat.completion")
         else:
-            choice = {"index": 0, "text": event.text, "logprobs": None,
+            text = "" if meta.hide_generated else event.text
+            choice = {"index": 0, "text": (meta.echo or "") + text,
+                      "logprobs": completion_logprobs(meta, event),
                       "finish_reason": event.reason}
-            obj = self.meta.head("text_completion")
-        return json.dumps({**obj, "choices": [choice], "usage": usage(event)},
-                          ensure_ascii=False)
+            obj = meta.head("text_completion")
+        counts = usage(event, hidden=meta.hide_generated)
+        return json.dumps({**obj, "choices": [choice], "usage": counts}, ensure_ascii=False)
 
 
 class OpenAISseFramer(OpenAIErrorFramer):
@@ -94,15 +155,24 @@ class OpenAISseFramer(OpenAIErrorFramer):
     content_type = "text/event-stream"
     streaming = True
 
-    def __init__(self, meta: ResponseMeta) -> None:
+    def __init__(self, meta: ResponseMeta, prompt_tokens: int = 0) -> None:
         self.meta = meta
         self.role_sent = False
+        #: continuous usage: the handler sets `tokens` (generated so far) from each text
+        #: event before the chunk holding that text is framed
+        self.counts_tokens = meta.continuous_usage
+        self.prompt_tokens = prompt_tokens
+        self.tokens = 0
 
     def _event(self, choices: list[dict], event: FinishEvent | None = None) -> str:
         obj = self.meta.head("chat.completion.chunk" if self.meta.chat else "text_completion")
         obj["choices"] = choices
-        if self.meta.include_usage:  # OpenAI: null on every chunk but the last
-            obj["usage"] = usage(event) if event is not None else None
+        if event is not None:
+            obj["usage"] = usage(event)
+        elif self.counts_tokens:  # vLLM's continuous_usage_stats: counts so far
+            obj["usage"] = counts(self.prompt_tokens, self.tokens)
+        elif self.meta.include_usage:  # OpenAI: null on every chunk but the last
+            obj["usage"] = None
         return sse(obj)
 
     def _choice(self, text: str, finish_reason: str | None) -> dict:
@@ -122,11 +192,13 @@ class OpenAISseFramer(OpenAIErrorFramer):
         return self._event([self._choice(text, None)])
 
     def final(self, event: FinishEvent) -> str:
+        self.tokens = event.completion_tokens
         out = self._event([self._choice("", event.reason)])
         if self.meta.include_usage:
             out += self._event([], event)
         return out + DONE
 
 
-def openai_framer(meta: ResponseMeta, stream: bool) -> OpenAIJsonFramer | OpenAISseFramer:
-    return OpenAISseFramer(meta) if stream else OpenAIJsonFramer(meta)
+def openai_framer(meta: ResponseMeta, stream: bool, prompt_tokens: int = 0
+                  ) -> OpenAIJsonFramer | OpenAISseFramer:
+    return OpenAISseFramer(meta, prompt_tokens) if stream else OpenAIJsonFramer(meta)

@@ -3,9 +3,12 @@
 Shared by the backends that return logits to the host (torch; Neuron in
 continuous mode). Temperature, top-k and top-p use transformers' own logits
 warpers, so a row samples exactly as `generate` would with the same settings.
+Penalties and logprobs cost only the rows that ask for them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from transformers.generation.logits_process import (
@@ -14,15 +17,22 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from handlers.backends.base import SamplingParams
+from handlers.backends.base import SamplingParams, TokenLogprob
 
 
 class RowSampler:
     """One sequence's sampling state: its parameters, RNG and generated count."""
 
-    def __init__(self, params: SamplingParams, eos_ids: frozenset[int], device: torch.device):
+    def __init__(self, params: SamplingParams, eos_ids: frozenset[int], device: torch.device,
+                 prompt: Sequence[int] = ()):
         self.params = params
         self.generated = 0
+        self.last: TokenLogprob | None = None  # the last token's, when params.logprobs is set
+        self._penalized = params.penalized  # read per token: plain attributes, no property
+        self._logprobs = params.logprobs
+        self._prompt = prompt if self._penalized else ()
+        self._counts: torch.Tensor | None = None  # [vocab] output counts (penalties only)
+        self._seen: torch.Tensor | None = None  # [vocab] in prompt or output (repetition)
         self._eos = sorted(eos_ids)
         self._warpers = []
         if not params.greedy:
@@ -42,12 +52,66 @@ class RowSampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] (float) for this row's last position."""
         scores = logits.float().unsqueeze(0)  # [1, vocab]
+        logprobs = None
+        if self._logprobs is not None:  # of the model's own distribution
+            logprobs = torch.log_softmax(scores[0], dim=-1)
+        if self._penalized:
+            scores = self._penalize(scores)
         if self.generated < self.params.min_new_tokens and self._eos:
             scores[:, self._eos] = float("-inf")
         self.generated += 1
         if self.params.greedy:
-            return int(scores.argmax(dim=-1))
-        for warp in self._warpers:
-            scores = warp(None, scores)
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._gen))
+            token = int(scores.argmax(dim=-1))
+        else:
+            for warp in self._warpers:
+                scores = warp(None, scores)
+            probs = torch.softmax(scores, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=self._gen))
+        if logprobs is not None:
+            self.last = token_logprob(logprobs, token, self._logprobs)
+        if self._counts is not None:
+            self._counts[token] += 1
+            self._seen[token] = True
+        return token
+
+    def _penalize(self, scores: torch.Tensor) -> torch.Tensor:
+        """vLLM's order and formulas (vllm/model_executor/layers/utils.py apply_penalties)."""
+        p = self.params
+        if self._counts is None:
+            self._counts = torch.zeros(scores.shape[-1], device=scores.device)
+            self._seen = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+            if len(self._prompt):
+                self._seen[torch.tensor(list(self._prompt), device=scores.device)] = True
+        scores = scores.clone()
+        row = scores[0]
+        if p.repetition_penalty != 1.0:
+            hit = row[self._seen]
+            row[self._seen] = torch.where(hit > 0, hit / p.repetition_penalty,
+                                          hit * p.repetition_penalty)
+        if p.frequency_penalty or p.presence_penalty:
+            row -= p.frequency_penalty * self._counts + p.presence_penalty * (self._counts > 0)
+        return scores
+
+
+def token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """logprobs: [vocab] log-softmax; `token`'s value and the top `k` (id, value) pairs."""
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        values, ids = torch.topk(logprobs, k)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return float(logprobs[token]), top
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt: Sequence[int], k: int
+                    ) -> list[TokenLogprob | None]:
+    """logits: [len(prompt), vocab] of a forward over the prompt; position i predicts token
+    i + 1, so the first token has none (None)."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # [L-1, vocab]
+    ids = torch.tensor(list(prompt[1:]), device=logits.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    tops: list[tuple] = [()] * len(chosen)
+    if k:
+        values, top_ids = torch.topk(logprobs, k, dim=-1)
+        tops = [tuple(zip(i, v, strict=True))
+                for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)]
+    return [None, *zip(chosen, tops, strict=True)]

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from handlers.backends.base import SamplingParams
+from handlers.backends.base import SamplingParams, TokenLogprob
 from handlers.detokenize import IncrementalDetokenizer, StopMatcher, Tokenizer
 from handlers.errors import CapacityError
 
@@ -26,6 +26,7 @@ from handlers.errors import CapacityError
 @dataclass(frozen=True)
 class TextEvent:
     text: str
+    tokens: int = 0  # tokens rendered so far (OpenAI's continuous usage stats)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class FinishEvent:
     completion_tokens: int
     text: str  # the whole generated text, for non-streaming answers
     token_ids: tuple[int, ...] = ()
+    #: per generated token, when the request asked (SamplingParams.logprobs)
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    #: per prompt token (the first: None), when it asked (SamplingParams.prompt_logprobs)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,9 @@ class Sequence:
     shown: int = 0  # output side: tokens turned into text (a prefix of `generated`)
     cancelled: bool = False
     done: bool = False  # output side: its last event went out (it leaves at the next step)
+    #: engine thread, only for a request that asked (SamplingParams.logprobs): per token
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer)
@@ -84,7 +92,7 @@ class Sequence:
         self.generated.append(token)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        if token in eos_ids:
+        if token in eos_ids and not self.sampling.ignore_eos:
             return "stop"
         if (len(self.generated) >= self.max_new_tokens
                 or len(self.prompt_ids) + len(self.generated) >= max_length):
@@ -123,8 +131,10 @@ class Sequence:
         """The last event, counting the tokens rendered: a sequence that hit a stop string
         may have generated one more, which the engine had started before it knew."""
         n = self.shown
+        logprobs = None if self.logprobs is None else tuple(self.logprobs[:n])
+        prompt = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
         return FinishEvent(reason, len(self.prompt_ids), n, "".join(self._text),
-                           tuple(self.generated[:n]))
+                           tuple(self.generated[:n]), logprobs, prompt)
 
 
 class Scheduler:

@@ -35,11 +35,30 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     min_new_tokens: int = 0  # EOS is suppressed until this many tokens were generated
+    ignore_eos: bool = False  # EOS does not end the sequence (benchmarks: exactly max tokens)
+    # penalties as vLLM applies them, before temperature: repetition divides a positive
+    # logit (multiplies a negative one) of any token in prompt or output; frequency and
+    # presence subtract count * f + (count > 0) * p for tokens of the output
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k: each generated token's + the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token (OpenAI `echo`)
 
     @property
     def greedy(self) -> bool:
         # dividing logits by a near-zero temperature overflows; it means argmax anyway
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+#: one token's log-probability under the model (raw logits, before any sampling
+#: parameter) and the top alternatives: (logprob, ((token id, logprob), ...))
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
 class Backend(ABC):
@@ -79,6 +98,16 @@ class Backend(ABC):
         """`prefill(slots, ...)` and `decode(running)` as one call, for backends where that
         is cheaper (`mixes_prefill`). On failure the running batch must be as it was."""
         raise NotImplementedError(f"{type(self).__name__} does not mix prefill into decode")
+
+    def token_logprobs(self, slot: int) -> TokenLogprob | None:
+        """The last token of `slot`'s logprob, for a sequence whose `SamplingParams.logprobs`
+        is set (backends that sample on the host; the others refuse such requests)."""
+        return None
+
+    def prompt_logprobs(self, slot: int) -> list[TokenLogprob | None] | None:
+        """After prefill, per prompt token (None for the first), for a sequence whose
+        `SamplingParams.prompt_logprobs` is set; taken once."""
+        return None
 
     def warmup(self) -> None:  # noqa: B027 - optional hook
         """Run representative shapes once so the first request does not pay for them."""

@@ -23,7 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from handlers.backends.base import Backend, SamplingParams, import_sdk_class, read_eos_ids
+from handlers.backends.base import (
+    Backend,
+    SamplingParams,
+    TokenLogprob,
+    import_sdk_class,
+    read_eos_ids,
+)
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
 from handlers.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
@@ -143,6 +149,11 @@ class NeuronBackend(Backend):
     def release(self, slots: Sequence[int]) -> None:
         self._runner.release(list(slots))
 
+    def token_logprobs(self, slot: int) -> TokenLogprob | None:
+        """Continuous batching samples on the host (micro batching refuses logprobs)."""
+        row = getattr(self._runner, "rows", {}).get(slot)
+        return getattr(row[2], "last", None) if isinstance(row, tuple) else None
+
     def warmup(self) -> None:
         """Touch every prefill bucket once, then one decode step."""
         self._runner.warmup()
@@ -212,7 +223,7 @@ class _ContinuousRunner:
                                    f"bucket {self.buckets[-1]} (handler.neuron."
                                    "context_length_estimate)")
             tokens, positions = prefill_inputs(prompt)
-            sampler = RowSampler(p, eos_ids, torch.device("cpu"))
+            sampler = RowSampler(p, eos_ids, torch.device("cpu"), prompt)
             with torch.inference_mode():  # logits are inference tensors: sample inside
                 logits = self.model.forward(torch.tensor([tokens], dtype=torch.int64),  # [1, L]
                                             torch.tensor([positions], dtype=torch.int64),

@@ -23,7 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from handlers.backends.base import Backend, SamplingParams, import_sdk_class, read_eos_ids
+from handlers.backends.base import (
+    Backend,
+    SamplingParams,
+    TokenLogprob,
+    import_sdk_class,
+    read_eos_ids,
+)
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
 from handlers.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
@@ -208,7 +214,7 @@ class NxdiBackend(Backend):
                                    f"{self.max_prompt_length} (the largest prefill bucket)")
             ids, positions = prefill_inputs(list(prompt), self.largest_bucket)
             sampler = None if self.on_device else RowSampler(p, self.eos_token_ids,
-                                                             torch.device("cpu"))
+                                                             torch.device("cpu"), prompt)
             # one context row per call under continuous batching (kv_cache_manager.py:L488-L489)
             token = self._forward([ids], [positions], [slot], [p], [sampler])[0]
             self.rows[slot] = (len(prompt), token, sampler, p)
@@ -236,6 +242,11 @@ class NxdiBackend(Backend):
     def release(self, slots: Sequence[int]) -> None:
         for s in slots:
             self.rows.pop(s, None)
+
+    def token_logprobs(self, slot: int) -> TokenLogprob | None:
+        """Host sampling only (on-device sampling refuses logprobs)."""
+        row = self.rows.get(slot)
+        return getattr(row[2], "last", None) if row is not None else None
 
     def warmup(self) -> None:
         """One prefill and one decode on a free slot (load() already ran every graph once)."""

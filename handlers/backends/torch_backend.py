@@ -28,10 +28,10 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask
 
-from handlers.backends.base import Backend, SamplingParams
+from handlers.backends.base import Backend, SamplingParams, TokenLogprob
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
-from handlers.sampling import RowSampler
+from handlers.sampling import RowSampler, prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +213,7 @@ class TorchBackend(Backend):
             eos = self.model.config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._rows: list[_Row] = []
+        self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}  # slot -> (echo)
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, T] 1 = real token, 0 = padding
         self._plain = all(type(layer) is DynamicLayer  # no sliding-window layers
@@ -230,8 +231,10 @@ class TorchBackend(Backend):
         busy = {r.slot for r in self._rows} & set(slots)
         if busy:
             raise ValueError(f"prefill into busy slots {sorted(busy)}")
+        self._echo(slots, prompts, params)  # first: a failure must leave the batch as it was
         ids, mask, pos = self._left_pad(prompts)
-        samplers = [RowSampler(p, self.eos_token_ids, self.device) for p in params]
+        samplers = [RowSampler(p, self.eos_token_ids, self.device, prompt)
+                    for p, prompt in zip(params, prompts, strict=True)]
         cache = self._new_cache()
         # logits of the last position only (as `generate` asks): the lm_head over every
         # prompt position was ~8% of a 30-token prefill
@@ -272,6 +275,7 @@ class TorchBackend(Backend):
                              f"{sorted(order)} (mixes_prefill={self.mixes_prefill})")
         if set(slots) & set(order):
             raise ValueError(f"prefill into busy slots {sorted(set(slots) & set(order))}")
+        self._echo(slots, prompts, params)  # first: a failure must leave the batch as it was
         rows, b, n = self._rows, len(self._rows), len(prompts)
         new_ids, new_mask, new_pos = self._left_pad(prompts)
         width = new_ids.shape[1]
@@ -286,7 +290,8 @@ class TorchBackend(Backend):
             new_cache=self._new_cache(), new_mask=self._sdpa_mask(new_mask, new_pos, None))
         keep = torch.tensor(list(range(b)) + [b + (i + 1) * width - 1 for i in range(n)],
                             device=self.device)
-        samplers = [RowSampler(p, self.eos_token_ids, self.device) for p in params]
+        samplers = [RowSampler(p, self.eos_token_ids, self.device, prompt)
+                    for p, prompt in zip(params, prompts, strict=True)]
         length = self._mask.shape[1]
         try:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
@@ -310,6 +315,23 @@ class TorchBackend(Backend):
                        in zip(slots, prompts, first, samplers, strict=True)]
         self._append_rows(plan.new_cache, new_mask)
         return first, decoded
+
+    def token_logprobs(self, slot: int) -> TokenLogprob | None:
+        return next((r.sampler.last for r in self._rows if r.slot == slot), None)
+
+    def prompt_logprobs(self, slot: int) -> list[TokenLogprob | None] | None:
+        return self._prompt_logprobs.pop(slot, None)
+
+    def _echo(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+              params: Sequence[SamplingParams]) -> None:
+        """Prompt logprobs for the rows that ask (OpenAI `echo` with `logprobs`): a forward
+        of the prompt alone, every position's logits -- prefill keeps only the last, and
+        no other row pays for this one's."""
+        for slot, prompt, p in zip(slots, prompts, params, strict=True):
+            if p.prompt_logprobs is not None:
+                ids = torch.tensor([list(prompt)], device=self.device)  # [1, L]
+                logits = self.model(input_ids=ids, use_cache=False).logits[0]  # [L, vocab]
+                self._prompt_logprobs[slot] = prompt_logprobs(logits, prompt, p.prompt_logprobs)
 
     def _left_pad(self, prompts: Sequence[Sequence[int]]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -342,6 +364,8 @@ class TorchBackend(Backend):
         """Rows leave; the last rows move into their places (one row copied per leaver, in
         the cache's own buffers) and leading all-padding columns are trimmed."""
         leaving = set(slots)
+        for slot in leaving.intersection(self._prompt_logprobs):
+            del self._prompt_logprobs[slot]
         gone = {i for i, r in enumerate(self._rows) if r.slot in leaving}
         if not gone:
             return

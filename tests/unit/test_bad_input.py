@@ -130,7 +130,8 @@ OPENAI_BAD = [  # (name, raw body, url path, param)
     ("n 2", body({**C, "n": 2}), COMPLETIONS, "n"),
     ("frequency_penalty false", body({**C, "frequency_penalty": False}), COMPLETIONS,
      "frequency_penalty"),
-    ("logprobs true", body({**M, "logprobs": True}), CHAT, "logprobs"),
+    ("logprobs 'yes'", body({**M, "logprobs": "yes"}), CHAT, "logprobs"),
+    ("another model", body({**M, "model": "gpt-4"}), CHAT, "model"),
     ("temperature -1", body({**C, "temperature": -1}), COMPLETIONS, "temperature"),
     ("top_p 2", body({**M, "top_p": 2}), CHAT, "top_p"),
     ("stream a string", body({**C, "stream": "yes"}), COMPLETIONS, "stream"),
@@ -139,7 +140,8 @@ OPENAI_BAD = [  # (name, raw body, url path, param)
     ("unknown field", body({**C, "max_token": 3}), COMPLETIONS, "max_token"),
     ("model a number", body({**C, "model": 5}), COMPLETIONS, "model"),
     ("two prompts", body({**C, "prompt": ["a", "b"]}), COMPLETIONS, "prompt"),
-    ("token-id prompt", body({**C, "prompt": [1, 2]}), COMPLETIONS, "prompt"),
+    ("two prompts", body({**C, "prompt": [[1, 2], [3]]}), COMPLETIONS, "prompt"),
+    ("token id outside the vocabulary", body({**C, "prompt": [1, 10**6]}), COMPLETIONS, "prompt"),
     ("timeout 0", body({**C, "timeout": 0}), COMPLETIONS, "timeout"),
     ("timeout a string", body({**M, "timeout": "5"}), CHAT, "timeout"),
     ("tools", body({**M, "tools": [{"type": "function"}]}), CHAT, "tools"),
@@ -196,6 +198,7 @@ class FakeService:
                                                 "chat_template": "llama-2",
                                                 "defaults": {"max_new_tokens": 8}}})
         self.tokenizer = make_tokenizer()
+        self.tokenizer.name_or_path = "/archive/tiny"  # served as "tiny" (no MANIFEST above)
         self.backend = SimpleNamespace(max_length=64)
         self.engine = SimpleNamespace(cancel=lambda request_id: None)
         self.submitted: list = []

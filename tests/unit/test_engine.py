@@ -459,3 +459,30 @@ def test_with_on_text_a_sinks_queue_gets_only_the_end():
     run(engine)
     assert "".join(texts) == "efg" and queue.qsize() == 1
     assert queue.get_nowait().text == "efg"  # the FinishEvent
+
+
+class LogprobBackend(CountingBackend):
+    """CountingBackend that reports a logprob per token (-token/1000) and the prompt's."""
+
+    def token_logprobs(self, slot):
+        return (-self.last[slot] / 1000, ((self.last[slot], -0.001),))
+
+    def prompt_logprobs(self, slot):
+        return [None, (-0.5, ())]
+
+
+def test_logprobs_reach_the_finish_event_only_for_a_request_that_asked():
+    engine, _, _ = make(backend_class=LogprobBackend)
+    events = {}
+    for rid, params in (("ask", SamplingParams(logprobs=1, prompt_logprobs=1)),
+                        ("plain", SamplingParams())):
+        engine.submit(Sequence(request_id=rid, prompt_ids=[64, ord("A")], max_new_tokens=3,
+                               sampling=params, stop=(), tokenizer=CharTokenizer(),
+                               sink=events.setdefault(rid, []).append))
+    run(engine)
+    ask, plain = events["ask"][-1], events["plain"][-1]
+    assert ask.logprobs == tuple((-t / 1000, ((t, -0.001),)) for t in (66, 67, 68))
+    assert ask.prompt_logprobs == (None, (-0.5, ()))
+    assert plain.logprobs is None and plain.prompt_logprobs is None
+    # text events count the tokens rendered so far (OpenAI continuous usage stats)
+    assert [e.tokens for e in events["plain"] if isinstance(e, TextEvent)] == [1, 2, 3]

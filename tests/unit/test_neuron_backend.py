@@ -289,3 +289,27 @@ def test_missing_sdk_names_the_install(checkpoint, tmp_path, fake_sdk, monkeypat
 def test_unknown_model_class(checkpoint, tmp_path, fake_sdk) -> None:
     with pytest.raises(ConfigError, match="model_class_name"):
         _backend(checkpoint, tmp_path, model_class_name="llama.model.LlamaForSamplin")
+
+
+@pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
+                    reason="handlers/backends/torch_backend.py needs transformers 5 (issue 11)")
+def test_continuous_logprobs_and_penalties_equal_the_torch_backends(checkpoint, tmp_path,
+                                                                   fake_sdk) -> None:
+    """Continuous batching samples on the host: the same RowSampler as torch's."""
+    from handlers.backends.torch_backend import TorchBackend
+
+    cfg = parse_config({"handler": {"batch_size": 1, "max_length": 128,
+                                    "max_new_tokens_limit": 64}}).handler
+    p = SamplingParams(logprobs=2, repetition_penalty=1.5, frequency_penalty=0.5)
+    runs = []
+    for b in (TorchBackend(checkpoint, cfg), _backend(checkpoint, tmp_path)):
+        tokens = b.prefill([0], [PROMPTS[1]], [p])
+        logprobs = [b.token_logprobs(0)]
+        for _ in range(5):
+            tokens += b.decode([0])
+            logprobs.append(b.token_logprobs(0))
+        b.release([0])
+        runs.append((tokens, logprobs))
+    (want, want_lp), (got, got_lp) = runs
+    assert got == want
+    assert [lp for lp, _ in got_lp] == pytest.approx([lp for lp, _ in want_lp], abs=1e-4)

@@ -272,3 +272,12 @@ def test_a_failed_compile_leaves_no_staging_dir_and_no_entry(tiny_checkpoint, tm
     assert list((tmp_path / "tmp").iterdir()) == []
     cache = tmp_path / "cache"
     assert not cache.exists() or not [p for p in cache.iterdir() if (p / "metadata.json").exists()]
+
+
+def test_host_sampling_reports_logprobs(tiny_checkpoint, tmp_path, fake_nxdi) -> None:
+    b = _backend(tiny_checkpoint, tmp_path)
+    b.prefill([0], [PROMPTS[1]], [SamplingParams(logprobs=1, presence_penalty=1.0)])
+    chosen, top = b.token_logprobs(0)
+    assert chosen <= 0 and len(top) == 1
+    assert b.token_logprobs(1) is None
+    b.close()

@@ -87,7 +87,8 @@ def test_unknown_endpoint_is_404(service) -> None:
 
 
 def test_completion_maps_openai_fields_onto_the_native_request(service) -> None:
-    body = {"model": "m", "prompt": "hi there", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9,
+    body = {"model": "model", "prompt": "hi there", "max_tokens": 5, "temperature": 0.5,
+            "top_p": 0.9,
             "stop": ["ok"], "seed": 3, "frequency_penalty": 0, "presence_penalty": 0.0,
             "user": "u1", "logprobs": None, "n": 1, "echo": False, "best_of": None}
     prepared = CompletionsApi().prepare(body, "application/json", service)
@@ -96,7 +97,7 @@ def test_completion_maps_openai_fields_onto_the_native_request(service) -> None:
     assert (r.sampling.temperature, r.sampling.top_p, r.sampling.seed) == (0.5, 0.9, 3)
     assert prepared.prompt_ids == [1, 7, 8]
     assert isinstance(prepared.framer, OpenAIJsonFramer)
-    assert prepared.framer.meta.model == "m" and prepared.framer.meta.id.startswith("cmpl-")
+    assert prepared.framer.meta.model == "model" and prepared.framer.meta.id.startswith("cmpl-")
 
 
 def test_stream_and_defaults_follow_openai_not_the_native_config(service) -> None:
@@ -113,13 +114,19 @@ def test_stream_and_defaults_follow_openai_not_the_native_config(service) -> Non
     ({"prompt": "hi", "max_tokens": 10_000}, "max_tokens"),
     ({"prompt": "hi", "min_tokens": 99}, "min_tokens"),
     ({"prompt": "hi", "temperature": "hot"}, "temperature"),
-    ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 1, "stream": True}, "logprobs"),
+    ({"prompt": "hi", "echo": 1}, "echo"),
+    ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
     ({"prompt": "hi", "model": 3}, "model"),
     ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": [1, 99]}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "hi", "messages": []}, "messages"),
 ])
@@ -323,3 +330,140 @@ def test_errors_have_openai_shape_in_and_out_of_stream() -> None:
     streamed = OpenAISseFramer(meta(chat=True)).error(500, "boom", in_stream=True)
     err, done = events(streamed)
     assert json.loads(err)["error"]["message"] == "boom" and done == "[DONE]"
+
+
+# --- probes, models, errors a client can act on ---
+
+@pytest.mark.parametrize("path, body", [("health", ""), ("/ping", {"status": "Healthy"})])
+def test_health_probes_answer_2xx_while_the_model_is_up(service, path, body) -> None:
+    service.engine = SimpleNamespace()
+    out = select_api(path).prepare(None, "", service)
+    assert out.body == body or json.loads(out.body) == body
+
+
+def test_health_is_503_while_the_engine_process_restarts(service) -> None:
+    service.engine = SimpleNamespace(_down="OSError: no device")
+    err = rejects(select_api("health"), None, service, "", 503)
+    assert "restarted" in err.message
+
+
+def test_version_and_one_model_card(service) -> None:
+    assert "version" in json.loads(select_api("version").prepare(None, "", service).body)
+    card = json.loads(select_api("v1/models/model").prepare(None, "", service).body)
+    assert card["id"] == "model" and card["object"] == "model"
+    err = rejects(select_api("v1/models/gpt-4o"), None, service, "model", 404)
+    assert "'model'" in err.message  # names the one that is served
+
+
+def test_another_model_name_is_a_404_naming_the_served_one(service) -> None:
+    err = rejects(CompletionsApi(), {"model": "gpt-4o", "prompt": "hi"}, service, "model", 404)
+    assert "'gpt-4o'" in err.message and "'model'" in err.message
+
+
+# --- extensions: honoured, or refused by name where the backend cannot ---
+
+def test_extensions_reach_the_sampling_parameters(service) -> None:
+    body = {"prompt": "hi there", "ignore_eos": True, "repetition_penalty": 1.2,
+            "frequency_penalty": 0.5, "presence_penalty": -0.5, "min_tokens": 2,
+            "logprobs": 3, "echo": True}
+    s = CompletionsApi().prepare(body, "", service).request.sampling
+    assert (s.ignore_eos, s.repetition_penalty, s.frequency_penalty, s.presence_penalty,
+            s.min_new_tokens, s.logprobs, s.prompt_logprobs) == (True, 1.2, 0.5, -0.5, 2, 3, 3)
+    plain = CompletionsApi().prepare({"prompt": "hi", "echo": True}, "", service)
+    assert plain.request.sampling.prompt_logprobs is None  # echo alone needs no logits
+    chat = ChatCompletionsApi().prepare({"messages": CHAT, "logprobs": True, "top_logprobs": 2},
+                                        "", make_service(service.tokenizer,
+                                                         chat_template="llama-2"))
+    assert chat.request.sampling.logprobs == 2
+
+
+SYNTH = {"backend": "synthetic", "synthetic": {"preset": "llama-2-7b-tp24"}}
+
+
+@pytest.mark.parametrize("handler, body, param", [
+    (SYNTH, {"repetition_penalty": 1.1}, "repetition_penalty"),
+    (SYNTH, {"logprobs": 0}, "logprobs"),
+    ({"backend": "neuron", "batching": "micro"}, {"ignore_eos": True}, "ignore_eos"),
+    ({"backend": "neuron", "batching": "micro"}, {"min_tokens": 1}, "min_tokens"),
+    ({"backend": "neuron"}, {"logprobs": 1, "echo": True}, "echo"),
+    ({"backend": "nxdi", "nxdi": {"on_device_sampling": True}}, {"presence_penalty": 1},
+     "presence_penalty"),
+])
+def test_a_backend_that_cannot_honour_a_field_refuses_it_by_name(tokenizer, handler, body,
+                                                                  param) -> None:
+    service = make_service(tokenizer, **handler)
+    err = rejects(CompletionsApi(), {"prompt": "hi", **body}, service, param)
+    assert "handler." in err.message  # says which setting decides it
+
+
+@pytest.mark.parametrize("handler, body", [
+    ({"backend": "neuron"}, {"repetition_penalty": 1.1, "logprobs": 2, "ignore_eos": True}),
+    ({"backend": "nxdi"}, {"frequency_penalty": 1.0, "logprobs": 1}),
+    ({"backend": "nxdi", "nxdi": {"on_device_sampling": True}}, {"ignore_eos": True}),
+    (SYNTH, {"ignore_eos": True, "min_tokens": 1, "echo": True}),
+])
+def test_backends_that_sample_on_the_host_take_them(tokenizer, handler, body) -> None:
+    CompletionsApi().prepare({"prompt": "hi", **body}, "", make_service(tokenizer, **handler))
+
+
+def test_token_id_prompts_run_as_sent(service) -> None:
+    for prompt in ([7, 8], [[7, 8]]):
+        prepared = CompletionsApi().prepare({"prompt": prompt}, "", service)
+        assert prepared.prompt_ids == [7, 8] and prepared.request.prompt.strip() == "hi there"
+
+
+def test_stream_options_continuous_usage_needs_include_usage(service) -> None:
+    body = {"prompt": "hi", "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    assert CompletionsApi().prepare(body, "", service).framer.counts_tokens
+    body["stream_options"] = {"continuous_usage_stats": True}
+    assert not CompletionsApi().prepare(body, "", service).framer.counts_tokens
+
+
+# --- logprobs and usage on the wire ---
+
+LP_FINISH = FinishEvent("length", 2, 2, "there hi", token_ids=(8, 7),
+                        logprobs=((-0.5, ((8, -0.5), (7, -1.0))), (-0.25, ((7, -0.25),))),
+                        prompt_logprobs=(None, (-2.0, ((8, -1.5),))))
+
+
+def lp_meta(tokenizer, chat: bool, **kw) -> ResponseMeta:
+    return ResponseMeta("id-1", 1, "tiny", chat, token_text=lambda t: tokenizer.decode([t]),
+                        **kw)
+
+
+def test_completion_logprobs_have_openais_shape_with_the_echoed_prompt(tokenizer) -> None:
+    m = lp_meta(tokenizer, False, echo="hi there", echo_ids=(7, 8))
+    choice = json.loads(OpenAIJsonFramer(m).final(LP_FINISH))["choices"][0]
+    assert choice["text"] == "hi therethere hi"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["hi", "there", "there", "hi"]
+    assert lp["token_logprobs"] == [None, -2.0, -0.5, -0.25]
+    # the chosen token is listed among the alternatives (vLLM does the same)
+    assert lp["top_logprobs"] == [None, {"there": -1.5}, {"there": -0.5, "hi": -1.0},
+                                  {"hi": -0.25}]
+    assert lp["text_offset"] == [0, 2, 7, 12]
+    hidden = lp_meta(tokenizer, False, echo="hi there", echo_ids=(7, 8), hide_generated=True)
+    out = json.loads(OpenAIJsonFramer(hidden).final(LP_FINISH))
+    assert out["choices"][0]["text"] == "hi there"
+    assert out["choices"][0]["logprobs"]["token_logprobs"] == [None, -2.0]
+    assert out["usage"]["completion_tokens"] == 0
+
+
+def test_chat_logprobs_have_openais_shape(tokenizer) -> None:
+    choice = json.loads(OpenAIJsonFramer(lp_meta(tokenizer, True)).final(LP_FINISH))["choices"][0]
+    first = choice["logprobs"]["content"][0]
+    assert first == {"token": "there", "logprob": -0.5, "bytes": list(b"there"),
+                     "top_logprobs": [{"token": "there", "logprob": -0.5, "bytes": list(b"there")},
+                                      {"token": "hi", "logprob": -1.0, "bytes": list(b"hi")}]}
+    assert len(choice["logprobs"]["content"]) == 2
+
+
+def test_continuous_usage_is_on_every_chunk() -> None:
+    framer = OpenAISseFramer(ResponseMeta("id", 1, "tiny", True, True, True), prompt_tokens=5)
+    framer.tokens = 2
+    first = json.loads(events(framer.chunk("Hi"))[0])
+    assert first["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    last = [json.loads(e) for e in events(framer.final(FINISH))[:-1]]
+    assert [e["usage"]["completion_tokens"] for e in last] == [3, 3]
+    assert last[-1]["choices"] == []

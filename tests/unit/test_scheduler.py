@@ -112,3 +112,12 @@ def test_cut_returns_the_text_held_back():
     assert "".join(out) == "hi "
     assert x.cut() == "EN"  # the partial stop match can no longer complete
     assert x.finish_event("timeout").text == "hi EN"
+
+
+def test_ignore_eos_runs_to_max_new_tokens():
+    x = Sequence(request_id="a", prompt_ids=[65], max_new_tokens=3,
+                 sampling=SamplingParams(ignore_eos=True), stop=(), sink=lambda e: None,
+                 tokenizer=CharTokenizer())
+    assert x.add(0, frozenset([0]), 100) is None  # EOS, generated but not an end
+    assert x.add(0, frozenset([0]), 100) is None
+    assert x.add(66, frozenset([0]), 100) == "length"

@@ -257,3 +257,29 @@ def test_rows_leaving_and_joining_in_every_order_match_generate(setup):
             break
     backend.release(list(got))
     assert [got[i] for i in range(len(ids))] == want
+
+
+def test_logprobs_and_prompt_logprobs_match_the_models_log_softmax(setup):
+    """Alone (prefill) and packed into a running batch (step): the same numbers."""
+    backend, tok, model = setup
+    ids = tok("Once upon a time there was a robot")["input_ids"]
+    with torch.inference_mode():
+        want = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    p = SamplingParams(logprobs=2, prompt_logprobs=2)
+    for packed in (False, True):
+        if packed:
+            backend.prefill([1], [tok("The sea")["input_ids"]], [SamplingParams()])
+            first, _ = backend.step([0], [ids], [p], [1])
+            first = first[0]
+        else:
+            first = backend.prefill([0], [ids], [p])[0]
+        prompt = backend.prompt_logprobs(0)
+        assert prompt[0] is None and backend.prompt_logprobs(0) is None  # taken once
+        got = [lp for lp, _ in prompt[1:]]
+        assert got == pytest.approx([float(want[i, ids[i + 1]]) for i in range(len(ids) - 1)],
+                                    abs=1e-4)
+        chosen, top = backend.token_logprobs(0)
+        assert chosen == pytest.approx(float(want[-1, first]), abs=1e-4)
+        assert len(top) == 2 and top[0][0] == first  # greedy: the top token
+        assert backend.token_logprobs(1) is None  # a row that did not ask
+        backend.release([0, 1])
