@@ -7,7 +7,6 @@ STAMP := $(VENV)/.installed
 RUN_DIR ?= .serve
 DEMO_MODEL := demo/tiny-llama
 DEMO_NAME := tiny-llama
-PROMPT ?= Once upon a time
 
 # transformers 4.x overlays: this venv's interpreter with the Neuron SDKs' transformers.
 # Each is a --no-deps --target directory; first on PYTHONPATH it replaces the venv's 5.x
@@ -67,13 +66,13 @@ demo: install
 	$(CLI) package --config model_configs/tiny-llama-cpu.yaml --checkpoint $(DEMO_MODEL) \
 	  --name $(DEMO_NAME) --format mar --out model_store --force
 	@$(CLI) stop --run-dir $(RUN_DIR) >/dev/null
-	$(CLI) serve --model-store model_store --models $(DEMO_NAME) --run-dir $(RUN_DIR)
-	@url=$$($(PY) -c 'import json;print(json.load(open("$(RUN_DIR)/server.json"))["inference_url"])'); \
-	token=$$($(PY) -c 'import json;print(json.load(open("$(RUN_DIR)/key_file.json"))["inference"]["key"])'); \
-	cmd="curl -sN -H 'Authorization: Bearer $$token' -H 'Content-Type: application/json' $$url/predictions/$(DEMO_NAME) -d '{\"prompt\": \"$(PROMPT)\", \"max_new_tokens\": 48}'"; \
-	echo; echo "streaming a reply (random weights, so the text is gibberish):"; echo "  $$cmd"; echo; \
+	@mkdir -p $(RUN_DIR)
+	@set -o pipefail; $(CLI) serve --model-store model_store --models $(DEMO_NAME) \
+	  --run-dir $(RUN_DIR) | tee $(RUN_DIR)/serve.txt
+	@cmd=$$(sed -n 's/^  \(curl .*\)$$/\1/p' $(RUN_DIR)/serve.txt); \
+	echo; echo "streaming a reply with the curl command above (random weights, so the text is gibberish):"; \
 	eval "$$cmd"; echo; echo; \
-	echo "the server keeps running; try the command above, then stop it with: make stop"
+	echo "the server keeps running; try the curl command above, then stop it with: make stop"
 
 stop:
 	@test -x $(CLI) && $(CLI) stop --run-dir $(RUN_DIR) || echo "nothing to stop"
