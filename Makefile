@@ -36,7 +36,8 @@ NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
 	tests/unit/test_synthetic_backend.py tests/e2e/test_synthetic_e2e.py \
 	tests/e2e/test_neuron_e2e.py tests/e2e/test_worker_death_e2e.py
 
-.PHONY: install overlays demo stop test test-main test-neuron-stack lint bench bench-device clean
+.PHONY: install overlays demo stop test test-main test-neuron-stack test-readme lint bench \
+	bench-device clean
 
 install: $(STAMP)
 
@@ -77,7 +78,7 @@ demo: install
 stop:
 	@test -x $(CLI) && $(CLI) stop --run-dir $(RUN_DIR) || echo "nothing to stop"
 
-test: test-main test-neuron-stack
+test: test-main test-neuron-stack test-readme
 
 # the whole suite on the tested pins; checkpoint and archive checks also load under TF4_ALL
 test-main: install overlays
@@ -90,6 +91,10 @@ test-neuron-stack: install overlays
 	  && PYTHONPATH=$$dir $(PY) -m pytest -q $(NEURON_STACK_TESTS) \
 	  || exit 1; \
 	done
+
+# every command block of README.md, in order, in a fresh copy of the repository (this venv)
+test-readme: install
+	$(PY) .ci/readme_commands.py --venv $(VENV)
 
 lint: install
 	$(VENV)/bin/ruff check .
