@@ -72,7 +72,8 @@ demo: install
 	  --run-dir $(RUN_DIR) | tee $(RUN_DIR)/serve.txt
 	@cmd=$$(sed -n 's/^  \(curl .*\)$$/\1/p' $(RUN_DIR)/serve.txt); \
 	echo; echo "streaming a reply with the curl command above (random weights, so the text is gibberish):"; \
-	eval "$$cmd"; echo; echo; \
+	eval "$$cmd" || { echo; echo "the request failed; the server's logs are in $(RUN_DIR)/logs"; exit 1; }; \
+	echo; echo; \
 	echo "the server keeps running; try the curl command above, then stop it with: make stop"
 
 stop:

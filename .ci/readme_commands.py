@@ -21,7 +21,7 @@ HTML comments right before a block's fence direct the run, one per comment:
 Blocks of any other language are listed as not run. Nothing is skipped without a line saying
 so. Exit status 1 if any command failed.
 
-usage: python .ci/readme_commands.py [--readme README.md] [--keep] [--list]
+usage: python .ci/readme_commands.py [--readme README.md] [--keep] [--list] [-v]
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class Runner:
         self.failures: list[str] = []
         self.skipped: list[str] = []
         self.ran = 0
+        self.verbose = False
         tools = scratch / "tools"  # outside the copy, so `make lint` sees only the README's files
         tools.mkdir()
         make = tools / "make"  # the shared venv, taken as installed: never pip install here
@@ -275,6 +276,8 @@ class Runner:
             print(f"    FAILED: {problem}\n" + "\n".join("    | " + ln for ln in tail.splitlines()))
         else:
             print(f"    ok ({took:.1f}s)")
+            if self.verbose:
+                print("\n".join("    | " + ln for ln in result.stdout.splitlines()))
 
     def cleanup(self) -> None:
         self.cwd = self.root
@@ -299,6 +302,7 @@ def main() -> int:
                     help="the built virtualenv (default: this interpreter's)")
     ap.add_argument("--keep", action="store_true", help="keep the copy (its path is printed)")
     ap.add_argument("--list", action="store_true", help="list blocks and commands, run nothing")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every command's output")
     args = ap.parse_args()
     blocks = parse_blocks(args.readme.read_text("utf-8"))
     if args.list:
@@ -315,6 +319,7 @@ def main() -> int:
     start = time.monotonic()
     fresh_copy(root)
     runner = Runner(root, scratch, args.venv.absolute())
+    runner.verbose = args.verbose
     print(f"running the README's commands in {root} (venv {args.venv})")
     try:
         for block in blocks:
