@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SHELL_LANGS = {"bash", "sh", "shell", "console"}
+SHELL_LANGS = {"bash", "sh", "shell"}
 DIRECTIVE = re.compile(r"^<!--\s*ci:\s*(?P<body>.*?)\s*-->$")
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
 PLACEHOLDER = re.compile(r"(?<![$\w])(PORT|TOKEN)\b")
