@@ -7,7 +7,6 @@ STAMP := $(VENV)/.installed
 RUN_DIR ?= .serve
 DEMO_MODEL := demo/tiny-llama
 DEMO_NAME := tiny-llama
-PROMPT ?= Once upon a time
 
 # transformers 4.x overlays: this venv's interpreter with the Neuron SDKs' transformers.
 # Each is a --no-deps --target directory; first on PYTHONPATH it replaces the venv's 5.x
@@ -38,7 +37,8 @@ NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
 	tests/e2e/test_synthetic_e2e.py \
 	tests/e2e/test_neuron_e2e.py tests/e2e/test_worker_death_e2e.py
 
-.PHONY: install overlays demo stop test test-main test-neuron-stack lint bench bench-device clean
+.PHONY: install overlays demo stop test test-main test-neuron-stack test-readme lint bench \
+	bench-device clean
 
 install: $(STAMP)
 
@@ -68,18 +68,19 @@ demo: install
 	$(CLI) package --config model_configs/tiny-llama-cpu.yaml --checkpoint $(DEMO_MODEL) \
 	  --name $(DEMO_NAME) --format mar --out model_store --force
 	@$(CLI) stop --run-dir $(RUN_DIR) >/dev/null
-	$(CLI) serve --model-store model_store --models $(DEMO_NAME) --run-dir $(RUN_DIR)
-	@url=$$($(PY) -c 'import json;print(json.load(open("$(RUN_DIR)/server.json"))["inference_url"])'); \
-	token=$$($(PY) -c 'import json;print(json.load(open("$(RUN_DIR)/key_file.json"))["inference"]["key"])'); \
-	cmd="curl -sN -H 'Authorization: Bearer $$token' -H 'Content-Type: application/json' $$url/predictions/$(DEMO_NAME) -d '{\"prompt\": \"$(PROMPT)\", \"max_new_tokens\": 48}'"; \
-	echo; echo "streaming a reply (random weights, so the text is gibberish):"; echo "  $$cmd"; echo; \
-	eval "$$cmd"; echo; echo; \
-	echo "the server keeps running; try the command above, then stop it with: make stop"
+	@mkdir -p $(RUN_DIR)
+	@set -o pipefail; $(CLI) serve --model-store model_store --models $(DEMO_NAME) \
+	  --run-dir $(RUN_DIR) | tee $(RUN_DIR)/serve.txt
+	@cmd=$$(sed -n 's/^  \(curl .*\)$$/\1/p' $(RUN_DIR)/serve.txt); \
+	echo; echo "streaming a reply with the curl command above (random weights, so the text is gibberish):"; \
+	eval "$$cmd" || { echo; echo "the request failed; the server's logs are in $(RUN_DIR)/logs"; exit 1; }; \
+	echo; echo; \
+	echo "the server keeps running; try the curl command above, then stop it with: make stop"
 
 stop:
 	@test -x $(CLI) && $(CLI) stop --run-dir $(RUN_DIR) || echo "nothing to stop"
 
-test: test-main test-neuron-stack
+test: test-main test-neuron-stack test-readme
 
 # the whole suite on the tested pins; checkpoint and archive checks also load under TF4_ALL
 test-main: install overlays
@@ -92,6 +93,10 @@ test-neuron-stack: install overlays
 	  && PYTHONPATH=$$dir $(PY) -m pytest -q $(NEURON_STACK_TESTS) \
 	  || exit 1; \
 	done
+
+# every command block of README.md, in order, in a fresh copy of the repository (this venv)
+test-readme: install
+	$(PY) .ci/readme_commands.py --venv $(VENV)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 from archive_tools import bench_report, loadgen
@@ -67,6 +68,21 @@ def efficiency_by_level(results: list[ScenarioResult], step_ms: float) -> dict[s
             for r in results if r.scenario.mode == "concurrency"}
 
 
+def report_dir(out: Path, append: bool, now: datetime | None = None) -> Path:
+    """Where this run's report goes: OUT, or a new timestamped folder inside OUT when OUT
+    already holds a report (e.g. the committed bench/results) and --append was not given."""
+    if append or not (out / bench_report.JSON_NAME).exists():
+        return out
+    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    return out / stamp
+
+
+def short_waves(scenarios: list[Scenario]) -> list[int]:
+    """Concurrency levels that a --requests bound keeps from ever being reached."""
+    return [int(s.level) for s in scenarios
+            if s.mode == "concurrency" and s.requests is not None and s.requests < s.level]
+
+
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -84,6 +100,16 @@ def _run(args: argparse.Namespace) -> int:
     else:
         requests = DEFAULT_REQUESTS if args.requests is None else args.requests
     scenarios = build_scenarios(args.mode, args.concurrency, args.rates, requests, args.duration)
+    console = Console()
+    if short := short_waves(scenarios):
+        console.print(f"[yellow]warning:[/] --requests {requests} is below concurrency "
+                      f"{', '.join(map(str, short))}: those scenarios never have that many "
+                      f"requests in flight; pass --requests {max(short)} or more (a multiple of "
+                      "each level keeps every wave full)")
+    out = report_dir(args.out, args.append)
+    if out != args.out:
+        console.print(f"{args.out} holds a report already; this run writes to {out} "
+                      "(--append adds to that one)")
     if args.prompts_file:
         prompts = loadgen.load_prompts(args.prompts_file)
     else:
@@ -92,11 +118,10 @@ def _run(args: argparse.Namespace) -> int:
     params = loadgen.GenParams(args.max_new_tokens, args.min_new_tokens, args.temperature,
                                args.seed)
     results: bench_report.Results = {}
-    if args.append and (args.out / bench_report.JSON_NAME).exists():
-        results = bench_report.load_report(args.out / bench_report.JSON_NAME)
+    if args.append and (out / bench_report.JSON_NAME).exists():
+        results = bench_report.load_report(out / bench_report.JSON_NAME)
     results[args.label] = []
 
-    console = Console()
     columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[errors]} errors"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
@@ -128,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.device_step_ms is not None:
         efficiency = efficiency_by_level(results[args.label], args.device_step_ms)
         meta.update(device_step_ms=args.device_step_ms, host_efficiency=efficiency)
-    paths = bench_report.write_report(results, args.out, meta)
+    paths = bench_report.write_report(results, out, meta)
     bench_report.print_summary(results, console)
     for name, value in efficiency.items():
         console.print(f"host efficiency {name}: {value:.3f} (served tokens/s / (streams / "
@@ -181,7 +206,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=loadgen.DEFAULT_TIMEOUT_S,
                    help="seconds per request before it counts as a timeout error")
     p.add_argument("--out", type=Path, default=Path("bench-results"),
-                   help="report directory (default bench-results)")
+                   help="report directory (default bench-results); if it holds a report "
+                   "already, a new timestamped folder inside it (unless --append)")
     p.add_argument("--label", default="default", help="name of this setup in the report")
     p.add_argument("--device-step-ms", type=float,
                    help="the served model's decode step (a synthetic backend's decode_step_ms): "

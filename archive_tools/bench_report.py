@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,17 +51,41 @@ def markdown_table(results: Results) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_summary(results: Results, console=None) -> None:
-    """The report table on the terminal (rich)."""
-    from rich.console import Console
+LATENCY_COLUMNS = COLUMNS[:2] + COLUMNS[4:7]
+LOAD_COLUMNS = COLUMNS[:4] + COLUMNS[7:]
+WIDE = 140  # the one-table layout needs about this many columns
+
+
+def summary_tables(results: Results, width: int) -> list:
+    """The report as rich tables: one wide table, or at narrower terminals a latency table
+    and a load table with the same rows (each fits 80 columns without folding a cell)."""
     from rich.table import Table
 
-    table = Table(title="inf2serve bench")
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("label", "scenario") else "right")
-    for row in _rows(results):
-        table.add_row(*row)
-    (console or Console()).print(table)
+    rows = _rows(results)
+    layouts = ([("inf2serve bench", COLUMNS)] if width >= WIDE else
+               [("inf2serve bench: latency (ms, p50 / p90 / p99)", LATENCY_COLUMNS),
+                ("inf2serve bench: load", LOAD_COLUMNS)])
+    tables = []
+    for title, cols in layouts:
+        table = Table(title=title, title_justify="left", pad_edge=False)
+        for col in cols:
+            header = col.replace(" p50/p90/p99 ms", "") if width < WIDE else col
+            text = col in ("label", "scenario", "errors")  # may wrap; numbers never do
+            table.add_column(header, no_wrap=not text, overflow="fold",
+                             justify="left" if text else "right")
+        for row in rows:
+            table.add_row(*(row[COLUMNS.index(c)] for c in cols))
+        tables.append(table)
+    return tables
+
+
+def print_summary(results: Results, console=None) -> None:
+    """The report table(s) on the terminal (rich), laid out for its width."""
+    from rich.console import Console
+
+    console = console or Console()
+    for table in summary_tables(results, console.width):
+        console.print(table)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -88,11 +113,29 @@ def _axes(ax, series: dict[str, list[ScenarioResult]], **labels: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def _latency_plot(plt, series: dict[str, list[ScenarioResult]], xlabel: str, path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+def caption(series: dict[str, list[ScenarioResult]], meta: dict) -> str:
+    """What a plot shows, under it: model, date and how many requests each point is."""
+    ok = [r.summary.ok for runs in series.values() for r in runs]
+    n = f"{min(ok)}" if min(ok) == max(ok) else f"{min(ok)}-{max(ok)}"
+    parts = [f"model {meta.get('model') or '?'}", str(meta.get("created", "?")),
+             f"{n} successful requests per point"]
+    if meta.get("max_new_tokens"):
+        parts.append(f"{meta['max_new_tokens']} new tokens per request")
+    return ", ".join(parts)
+
+
+def _caption(fig, text: str) -> None:
+    fig.text(0.5, 0.01, text, ha="center", va="bottom", fontsize="small", color="0.3")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+
+
+def _latency_plot(plt, series: dict[str, list[ScenarioResult]], xlabel: str, path: Path,
+                  note: str) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     styles = (("p50", "-", "o"), ("p90", "--", "s"), ("p99", ":", "^"))
     for ax, metric, title in ((axes[0], "ttft", "time to first token"),
-                              (axes[1], "e2e", "end-to-end latency")):
+                              (axes[1], "itl", "inter-token latency"),
+                              (axes[2], "e2e", "end-to-end latency")):
         for n, (label, runs) in enumerate(series.items()):
             xs = [r.scenario.level for r in runs]
             for q, ls, marker in styles:
@@ -100,14 +143,15 @@ def _latency_plot(plt, series: dict[str, list[ScenarioResult]], xlabel: str, pat
                 ys = [float("nan") if y is None else y * 1000 for y in ys]
                 ax.plot(xs, ys, linestyle=ls, marker=marker, color=f"C{n}", label=f"{label} {q}")
         _axes(ax, series, title=title, xlabel=xlabel, ylabel="ms")
-    axes[1].legend(fontsize="small")
-    fig.tight_layout()
+    axes[2].legend(fontsize="small")
+    _caption(fig, note)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def _throughput_plot(plt, series: dict[str, list[ScenarioResult]], path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+def _throughput_plot(plt, series: dict[str, list[ScenarioResult]], path: Path,
+                     note: str) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for n, (label, runs) in enumerate(series.items()):
         xs = [r.scenario.level for r in runs]
         axes[0].plot(xs, [r.summary.output_tokens_per_s for r in runs], "o-", color=f"C{n}",
@@ -117,13 +161,14 @@ def _throughput_plot(plt, series: dict[str, list[ScenarioResult]], path: Path) -
     for ax, ylabel in ((axes[0], "output tokens/s"), (axes[1], "requests/s")):
         _axes(ax, series, title=f"{ylabel} vs concurrency", xlabel="concurrency", ylabel=ylabel)
     axes[0].legend(fontsize="small")
-    fig.tight_layout()
+    _caption(fig, note)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def write_plots(results: Results, out_dir: Path) -> list[Path]:
-    """PNG plots for the sweeps present; none (with a warning) without matplotlib."""
+def write_plots(results: Results, out_dir: Path, meta: dict | None = None) -> list[Path]:
+    """PNG plots for the sweeps present, each captioned from `meta` (model, created); none
+    (with a warning) without matplotlib."""
     try:
         import matplotlib
     except ModuleNotFoundError:
@@ -132,16 +177,17 @@ def write_plots(results: Results, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")  # files only, never a window; safe under make and CI
     import matplotlib.pyplot as plt
 
-    written = []
+    written, meta = [], meta or {}
     conc, rate = _series(results, "concurrency"), _series(results, "rate")
     if conc:
         written.append(out_dir / "latency_vs_concurrency.png")
-        _latency_plot(plt, conc, "concurrent requests", written[-1])
+        _latency_plot(plt, conc, "concurrent requests", written[-1], caption(conc, meta))
         written.append(out_dir / "throughput_vs_concurrency.png")
-        _throughput_plot(plt, conc, written[-1])
+        _throughput_plot(plt, conc, written[-1], caption(conc, meta))
     if rate:
         written.append(out_dir / "latency_vs_rate.png")
-        _latency_plot(plt, rate, "offered rate (requests/s, Poisson)", written[-1])
+        _latency_plot(plt, rate, "offered rate (requests/s, Poisson)", written[-1],
+                      caption(rate, meta))
     return written
 
 
@@ -152,6 +198,8 @@ def write_report(results: Results, out_dir: str | Path, meta: dict | None = None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), **(meta or {})}
+    if not meta.get("model") and (m := re.search(r"/predictions/([^/]+)", meta.get("url") or "")):
+        meta["model"] = m.group(1)
     doc = {"meta": meta,
            "results": {label: [r.to_dict() for r in runs] for label, runs in results.items()}}
     _write_atomic(out / JSON_NAME, json.dumps(doc, indent=1) + "\n")
@@ -160,7 +208,7 @@ def write_report(results: Results, out_dir: str | Path, meta: dict | None = None
     md += ["", markdown_table(results), "Latencies over successful requests; ITL is the gap "
            "between streamed lines; req/s and tok/s over each scenario's wall time.", ""]
     paths = [out / JSON_NAME, out / MD_NAME]
-    plots = write_plots(results, out)
+    plots = write_plots(results, out, meta)
     md += [f"![{p.stem}]({p.name})" for p in plots]
     _write_atomic(out / MD_NAME, "\n".join(md) + "\n")
     return paths + plots

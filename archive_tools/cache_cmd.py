@@ -31,6 +31,10 @@ def _store(args: argparse.Namespace) -> CacheStore:
     if not root.is_dir():
         raise Inf2ServeError(f"--cache-dir {root}: no such directory; point it at a compile cache "
                              "(handler.neuron.cache_dir inside the model directory)")
+    if (root / "__init__.py").is_file():  # e.g. ./neuron_cache in a clone of this repository
+        raise Inf2ServeError(f"--cache-dir {root}: a Python package (inf2serve's own "
+                             "neuron_cache library), not a compile cache; pass the model's "
+                             "cache, e.g. --cache-dir model_store/llama/neuron_cache")
     return CacheStore(root)
 
 

@@ -16,13 +16,23 @@ from pathlib import Path
 from handlers.config import ModelConfig, load_config
 from handlers.errors import Inf2ServeError, NeuronUnavailableError
 
-INSTALL_HINT = ("run it on an Inf2/Trn1 instance with the Neuron SDK: pip install "
-                "'inf2serve[neuron]' --extra-index-url https://pip.repos.neuron.amazonaws.com")
-
-
 #: the SDK library each Neuron backend compiles with
 SDK_PACKAGES = {"neuron": ("transformers_neuronx", "transformers-neuronx"),
                 "nxdi": ("neuronx_distributed_inference", "neuronx-distributed-inference")}
+#: what AWS's setup guides say to install, from AWS's package repository (the PyPI packages of
+#: these names are placeholders; inf2serve itself is installed from its clone, not PyPI).
+#: aws-neuron/aws-neuron-sdk@81ce03a: archive/transformers-neuronx/setup/index.txt:6 and
+#: libraries/nxd-inference/nxdi-setup.rst:70
+SDK_INSTALL = {
+    "neuron": "pip install transformers-neuronx --extra-index-url=https://pip.repos.neuron.amazonaws.com",
+    "nxdi": "pip install --upgrade neuronx-cc==2.* neuronx-distributed-inference "
+            "--extra-index-url https://pip.repos.neuron.amazonaws.com",
+}
+
+
+def install_hint(backend: str) -> str:
+    return (f"run it on an Inf2/Trn1 instance, in the Neuron SDK's virtual environment (Neuron "
+            f"DLAMI or DLC), or install the SDK there: {SDK_INSTALL[backend]}")
 
 
 def neuron_available(backend: str = "neuron") -> bool:
@@ -78,7 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if not neuron_available(h.backend):
         raise NeuronUnavailableError(f"{SDK_PACKAGES[h.backend][1]} is not installed here, so "
-                                     f"nothing can be compiled; {INSTALL_HINT}")
+                                     f"nothing can be compiled; {install_hint(h.backend)}")
     start = time.monotonic()
     summary = compile_archive(archive, config)
     print(f"{summary} in {time.monotonic() - start:.0f}s; cache entries: "

@@ -10,6 +10,7 @@ the same files, which transformers 4.36+ and 5.x read the same way
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import tempfile
@@ -125,9 +126,26 @@ def build_demo_model(out: Path, size_name: str = "tiny", seed: int = 0) -> Path:
     return out
 
 
+def holds_demo_model(out: Path, size_name: str) -> bool:
+    """True if `out` already holds a demo model of this size (config, weights, tokenizer)."""
+    try:
+        cfg = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    size = SIZES[size_name]
+    want = {"hidden_size": size.hidden, "num_hidden_layers": size.layers,
+            "num_attention_heads": size.heads, "num_key_value_heads": size.kv_heads,
+            "intermediate_size": size.intermediate, "vocab_size": size.vocab}
+    return (all(cfg.get(k) == v for k, v in want.items())
+            and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file())
+
+
 def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
+        if args.size in SIZES and holds_demo_model(out, args.size):  # e.g. after `make demo`
+            print(f"{out} already holds the {args.size} demo model; kept (--force rebuilds it)")
+            return 0
         raise Inf2ServeError(f"{out} exists and is not empty; pass --force to replace it")
     build_demo_model(out, args.size, args.seed)
     n = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())

@@ -4,13 +4,19 @@ All three write large trees (checkpoints of 100+ GB) into a model store that a
 running TorchServe may be reading, so they share one way of doing it: stream
 bytes in chunks with a progress bar, hard-link instead of copying when asked,
 and build in a work dir next to the target that is renamed into place only when
-complete (an interrupted run leaves the store as it was).
+complete (an interrupted run leaves the store as it was). A run killed outright
+(SIGKILL, power loss) leaves its work dir behind; it records its owner (host, pid,
+process start time), so a later run next to the same target removes it once that
+process is gone, and never the work dir of a run still going.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +24,7 @@ from pathlib import Path
 
 from neuron_cache.store import fsync_dir, fsync_tree
 
+log = logging.getLogger(__name__)
 CHUNK = 8 << 20
 PROGRESS_MIN_BYTES = 64 << 20  # below this a bar is noise
 
@@ -118,17 +125,68 @@ def publish(built: Path, target: Path, trash: Path) -> None:
     fsync_dir(target.parent)
 
 
+OWNER_FILE = ".owner.json"  # inside a work dir: who is building there
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time (Linux: clock ticks after boot), to tell a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22 of proc(5), after "pid (comm)"
+
+
+def _owner() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def _owner_gone(owner: dict) -> bool:
+    """True only when the owner ran on this host and that process no longer exists."""
+    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return False  # another host (shared filesystem) or unreadable: leave it alone
+    pid = owner["pid"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    start = _start_time(pid)
+    return start is not None and owner.get("start") not in (None, start)  # pid reused
+
+
+def remove_stale_work_dirs(parent: Path, label: str) -> list[Path]:
+    """Remove `.LABEL.partial-*` work dirs in `parent` whose owner process is gone."""
+    removed = []
+    for work in sorted(parent.glob(f".{label}.partial-*")):
+        try:
+            owner = json.loads((work / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # just created (owner not yet written) or not ours: keep
+        if isinstance(owner, dict) and _owner_gone(owner):
+            remove_path(work)
+            removed.append(work)
+            log.info("removed %s, left by an interrupted run (process %s is gone)",
+                     work, owner["pid"])
+    return removed
+
+
 @contextmanager
 def staged(target: Path, label: str | None = None) -> Iterator[Path]:
     """Yield the path to build `target` at; publish it onto `target` when the block succeeds.
 
     The work dir is created next to `target` (same filesystem, so the rename is
     cheap and atomic, and $TMPDIR is never used) and always removed. `label`
-    names the work dir (default: target's name).
+    names the work dir (default: target's name). Work dirs of the same label left
+    by runs whose process is gone are removed first.
     """
+    label = label or target.name
     target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{label or target.name}.partial-", dir=target.parent))
+    remove_stale_work_dirs(target.parent, label)
+    work = Path(tempfile.mkdtemp(prefix=f".{label}.partial-", dir=target.parent))
     try:
+        (work / OWNER_FILE).write_text(json.dumps(_owner()))
         built = work / target.name
         yield built
         publish(built, target, trash=work)

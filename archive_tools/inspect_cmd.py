@@ -27,6 +27,7 @@ from archive_tools.fileops import human
 from handlers.config import parse_config
 from handlers.errors import Inf2ServeError
 
+NEURON_BACKENDS = ("neuron", "nxdi")
 MAX_HEADER = 100 << 20  # a safetensors header above this is not one
 SMALL = {"MAR-INF/MANIFEST.json", "model-config.yaml", "requirements.txt"}
 #: torch.save storages -> safetensors' dtype names, so both layouts report alike
@@ -228,12 +229,15 @@ def _render(path: Path, s: dict[str, Any]) -> None:
            ("created", m.get("createdOn")), ("archiver", m.get("archiverVersion"))])
     c = s["config"]
     h = c["handler"]
-    table("model-config.yaml (valid)", [
-        ("backend", h["backend"]), ("batching", h["batching"]), ("batch_size", h["batch_size"]),
-        ("max_length", h["max_length"]), ("dtype", h["dtype"]),
-        ("workers", f"{c['minWorkers']}..{c['maxWorkers']}"), ("batchSize", c["batchSize"]),
-        ("deviceType", c["deviceType"]), ("neuron", f"tp_degree={h['neuron']['tp_degree']} "
-                                                   f"amp={h['neuron']['amp']}")])
+    rows = [("backend", h["backend"]), ("batching", h["batching"]),
+            ("batch_size", h["batch_size"]), ("max_length", h["max_length"])]
+    if h["backend"] in NEURON_BACKENDS:  # handler.neuron means nothing to the others
+        rows.append(("neuron", f"tp_degree={h['neuron']['tp_degree']} amp={h['neuron']['amp']}"))
+    else:
+        rows.append(("dtype", h["dtype"]))
+    rows += [("workers", f"{c['minWorkers']}..{c['maxWorkers']}"),
+             ("batchSize", c["batchSize"]), ("deviceType", c["deviceType"])]
+    table("model-config.yaml (valid)", rows)
     k = s["checkpoint"]
     params = f"{k['params'] / 1e6:.2f}M" if k["params"] is not None else "n/a"
     dtypes = ", ".join(k["dtypes"]) or "?"
@@ -253,7 +257,7 @@ def _render(path: Path, s: dict[str, Any]) -> None:
                   str(e["amp"]), sdk, human(e["size"]))
     if s["cache"]:
         console.print(t)
-    else:
+    elif h["backend"] in NEURON_BACKENDS:
         console.print("Neuron compile cache: none (neuron workers compile at start-up; "
                       "see `inf2serve compile`)")
     f = Table(title="files", title_justify="left")

@@ -98,8 +98,8 @@ class Plan:
         return sum(e.size for e in self.entries)
 
     def describe(self) -> str:
-        lines = [f"package {self.name} ({self.fmt}) -> {self.target}",
-                 f"  {len(self.entries)} files, {human(self.total_bytes)}"]
+        lines = [f"package {self.name} ({self.fmt}) -> {self.target}",  # + MANIFEST.json
+                 f"  {len(self.entries) + 1} files, {human(self.total_bytes)}"]
         lines += [f"  replaces {p}" for p in self.replaces]
         if self.left_out:
             size = sum(p.stat().st_size for p in self.left_out)

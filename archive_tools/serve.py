@@ -296,17 +296,54 @@ def _kill_workers(run_dir: Path) -> None:
                 pass
 
 
+def _cli_command() -> str:
+    """How to call this CLI again from here: `inf2serve` when it is on PATH, else its path."""
+    if shutil.which("inf2serve"):
+        return "inf2serve"
+    script = Path(sys.executable).parent / "inf2serve"
+    if script.exists():
+        return os.path.relpath(script) if Path.cwd() in script.parents else str(script)
+    return f"{sys.executable} -m archive_tools.cli"
+
+
+def _model_version(server: Server, model: str) -> str:
+    """The served version (the archive's --version), which OpenAI base URLs carry."""
+    try:
+        r = httpx.get(f"{server.management_url}/models/{model}", timeout=5,
+                      headers={"Authorization": f"Bearer {server.management_token}"})
+        return str(r.json()[0]["modelVersion"])
+    except (httpx.HTTPError, ValueError, LookupError, TypeError):
+        return "1.0"  # torch-model-archiver's default
+
+
+def describe(server: Server, model: str, run_dir: str) -> str:
+    """What `serve` prints: every address, where the keys and logs are, a curl, how to stop."""
+    version = _model_version(server, model)
+    logs = server.run_dir / "logs"
+    return "\n".join([
+        "TorchServe is up (127.0.0.1 only, token auth on):",
+        f"  inference   {server.inference_url}/predictions/{model}",
+        f"  OpenAI      {server.inference_url}/predictions/{model}/{version}/v1  (base_url)",
+        f"  management  {server.management_url}  (model API off)",
+        f"  metrics     {server.metrics_url}/metrics  (Prometheus, no token)",
+        f"  tokens      {server.run_dir / 'key_file.json'}  (\"inference\" key for requests)",
+        f"  logs        {logs / 'ts_log.log'}, {logs / 'model_log.log'}",
+        "try it:",
+        "  " + server.curl_example(model),
+        f"the token expires in {TOKEN_EXPIRY_MIN // 60} h; a fresh one:",
+        f"  {_cli_command()} token --run-dir {run_dir}",
+        "stop it:",
+        f"  {_cli_command()} stop --run-dir {run_dir}",
+    ])
+
+
 def _serve(args: argparse.Namespace) -> int:
     server = start(Path(args.model_store), args.models or [], Path(args.run_dir),
                    workers=args.workers, ready_timeout_s=args.timeout,
                    extra_props={"install_py_dep_per_model": "true"}
                    if args.install_py_dep_per_model else None)
     model = (args.models or ["MODEL"])[0].split("=")[0]
-    print(f"TorchServe is up: inference {server.inference_url} (token auth on)")
-    print("try it:\n  " + server.curl_example(model))
-    print(f"the token expires in {TOKEN_EXPIRY_MIN // 60} h; a fresh one: "
-          f"inf2serve token --run-dir {args.run_dir}")
-    print(f"stop it:\n  inf2serve stop --run-dir {args.run_dir}")
+    print(describe(server, model, args.run_dir))
     return 0
 
 

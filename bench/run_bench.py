@@ -271,7 +271,8 @@ def run_cpu(args: argparse.Namespace, checkpoint: Path, prompts: list[str], work
             url = f"{server.inference_url}/predictions/{name}"
             results[label] = served(url, server.inference_token, label, prompts,
                                     args.rate_duration)
-    meta = {"threads": args.threads, "paired_rounds": pairs, "new_tokens": NEW_TOKENS,
+    meta = {"model": "bench-llama (demo model, ~88M parameters)", "threads": args.threads,
+            "paired_rounds": pairs, "new_tokens": NEW_TOKENS,
             "continuous_vs_micro": vs_micro}
     return results, meta, summary_md(pairs, results, args.threads, vs_micro)
 

@@ -40,7 +40,7 @@ from neuron_cache.store import CacheStore
 
 log = logging.getLogger(__name__)
 INSTALL = ("install the Neuron SDK from the AWS Neuron repository: pip install "
-           "'inf2serve[neuron]' --extra-index-url https://pip.repos.neuron.amazonaws.com "
+           "transformers-neuronx --extra-index-url=https://pip.repos.neuron.amazonaws.com "
            "(on an Inf2 instance with the Neuron driver), or use handler.backend: torch")
 STEP_TIMEOUT_S = 600.0  # one sample() step; beyond this the SDK thread is considered stuck
 

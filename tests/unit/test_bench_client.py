@@ -242,6 +242,16 @@ def test_cli_writes_report_files(server, bench_cli, tmp_path, capsys):
     rc = bench_cli(["bench", f"{base}/predictions/ok", "--token", TOKEN, "--mode", "sync",
                    "--requests", "2", "--out", str(out), "--label", "other", "--append"])
     assert rc == 0 and set(bench_report.load_report(out / "bench.json")) == {"fake", "other"}
+    # without --append a report already there is never replaced: a timestamped folder inside
+    before = (out / "bench.json").read_bytes()
+    capsys.readouterr()
+    rc = bench_cli(["bench", f"{base}/predictions/ok", "--token", TOKEN, "--mode", "concurrency",
+                   "--concurrency", "1,4", "--requests", "2", "--out", str(out)])
+    assert rc == 0 and (out / "bench.json").read_bytes() == before
+    (new,) = [p for p in out.iterdir() if p.is_dir()]
+    assert set(bench_report.load_report(new / "bench.json")) == {"default"}
+    text = "".join(capsys.readouterr().out.split())  # rich wraps long paths anywhere
+    assert f"thisrunwritesto{new}" in text and "--requests2isbelowconcurrency4" in text
 
 
 def test_cli_reports_host_efficiency_against_a_device_step(server, bench_cli, tmp_path,

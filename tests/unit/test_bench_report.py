@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from archive_tools.bench_report import load_report, markdown_table, write_report
+from archive_tools.bench_report import (
+    caption,
+    load_report,
+    markdown_table,
+    summary_tables,
+    write_report,
+)
 from archive_tools.bench_stats import BenchError, RequestRecord, Scenario, ScenarioResult
 
 
@@ -57,3 +63,30 @@ def test_report_errors_are_one_line(tmp_path):
     (tmp_path / "bench.json").write_text("{not json")
     with pytest.raises(BenchError, match="cannot read bench report .*pick another --out"):
         load_report(tmp_path / "bench.json")
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_terminal_tables_fit_the_width_without_cutting_a_value(width):
+    from rich.console import Console
+
+    results = _results()
+    results["inf2-continuous-tp8"] = results["continuous"]
+    console = Console(width=width, record=True)
+    for table in summary_tables(results, width):
+        console.print(table)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= width
+    for value in ("1000 / 1000 / 1000", "100 / 100 / 100", "34.72", "rate=0.5/s", "4/4"):
+        assert value in text, value
+    assert ("TTFT p50/p90/p99 ms" in text) == (width >= 140)
+
+
+def test_plot_caption_names_model_date_and_sample_count(tmp_path):
+    results = _results()
+    meta = {"url": "http://127.0.0.1:1/predictions/tiny-llama", "max_new_tokens": 64}
+    write_report(results, tmp_path, dict(meta))
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["meta"]["model"] == "tiny-llama"
+    text = caption({"x": results["micro"]}, doc["meta"])
+    assert text.startswith("model tiny-llama, 20") and doc["meta"]["created"] in text
+    assert "4 successful requests per point" in text and "64 new tokens" in text

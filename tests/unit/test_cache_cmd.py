@@ -156,3 +156,14 @@ def test_prune_corrupt_removes_unreadable_metadata_without_a_lock(cache: CacheSt
     assert main(["cache", "prune", "--cache-dir", str(cache.root), "--corrupt"]) == 0
     assert not victim.path.exists() and len(cache.entries()) == 2
     assert not (cache.root / ".locks").exists()
+
+
+def test_the_source_package_is_not_taken_for_a_cache(tmp_path: Path, capsys,
+                                                     monkeypatch) -> None:
+    """`cache ls` in a clone defaults to ./neuron_cache, which is our library, not a cache."""
+    (tmp_path / "neuron_cache").mkdir()
+    (tmp_path / "neuron_cache" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert main(["cache", "ls"]) == 2
+    err = capsys.readouterr().err
+    assert "a Python package" in err and "--cache-dir model_store/" in err

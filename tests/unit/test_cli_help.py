@@ -28,3 +28,11 @@ def test_root_help_lists_commands_via_subprocess() -> None:
                        text=True, check=True)
     for command in COMMANDS:
         assert command in r.stdout
+
+
+def test_version_via_the_console_script_module() -> None:
+    import importlib.metadata
+
+    r = subprocess.run([sys.executable, "-m", "archive_tools.cli", "--version"],
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == f"inf2serve {importlib.metadata.version('inf2serve')}"

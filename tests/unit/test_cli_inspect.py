@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -40,9 +41,31 @@ def test_output_names_files_and_config_values(store: dict[str, Path], fmt: str, 
     assert main(["inspect", str(store[fmt])]) == 0
     out = capsys.readouterr().out
     for text in (f"tiny-{fmt}", "handler_entry.py", "model/model.safetensors", "model-config.yaml",
-                 "continuous", "max_length", "512", "LlamaForCausalLM", "F32", "runtime/ (",
-                 "none"):
+                 "continuous", "max_length", "512", "LlamaForCausalLM", "F32", "runtime/ ("):
         assert text in out, text
+    # a torch archive: no Neuron settings and no compile-cache section
+    assert "tp_degree" not in out and "Neuron compile cache" not in out
+
+
+def test_file_count_is_the_one_package_prints(tiny_checkpoint: Path, tmp_path: Path,
+                                              capsys) -> None:
+    """package's plan and inspect both count MAR-INF/MANIFEST.json."""
+    assert main(["package", "--config", str(CONFIG), "--checkpoint", str(tiny_checkpoint),
+                 "--name", "t", "--out", str(tmp_path)]) == 0
+    planned = re.search(r"(\d+) files", capsys.readouterr().out)[1]
+    assert main(["inspect", str(tmp_path / "t.mar"), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["files"]) == int(planned)
+
+
+def test_neuron_archive_shows_its_neuron_settings(tiny_checkpoint: Path, tmp_path: Path,
+                                                  capsys, monkeypatch) -> None:
+    config = tmp_path / "neuron.yaml"
+    config.write_text(CONFIG.read_text().replace("backend: torch", "backend: neuron"))
+    archive = package(config, tiny_checkpoint, "n", "no-archive", tmp_path / "store")
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["inspect", str(archive)]) == 0
+    out = capsys.readouterr().out
+    assert "tp_degree=" in out and "Neuron compile cache: none" in out
 
 
 def test_json_summary(store: dict[str, Path], capsys) -> None:
