@@ -8,13 +8,13 @@ one that cannot honour a field refuses it by name, saying which setting decides.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
 from handlers.backends.base import SamplingParams
 from handlers.config import HandlerConfig
 from handlers.errors import RequestError
+from handlers.request import bounded_float
 
 # honoured beyond the native fields (handlers/sampling.py applies them)
 EXTENSIONS = ("ignore_eos", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -42,17 +42,6 @@ def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
         values.append(value)
     include, continuous = values
     return include, include and continuous  # vLLM: continuous stats need include_usage
-
-
-def _real(body: dict[str, Any], key: str, lo: float, hi: float, default: float,
-          lo_open: bool = False) -> float:
-    value = body.get(key, default)
-    rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(key, f"expected a number in {rng}, got {value!r}")
-    if value < lo or value > hi or (lo_open and value == lo):
-        raise RequestError(key, f"{value} is out of range; allowed {rng}")
-    return float(value)
 
 
 def _count(body: dict[str, Any], key: str) -> int | None:
@@ -88,9 +77,9 @@ def extensions(body: dict[str, Any], sampling: SamplingParams, config: HandlerCo
         raise RequestError("ignore_eos", f"expected true or false, got {ignore_eos!r}")
     params = replace(
         sampling, ignore_eos=ignore_eos,
-        repetition_penalty=_real(body, "repetition_penalty", 0, 10, 1.0, lo_open=True),
-        frequency_penalty=_real(body, "frequency_penalty", -2, 2, 0.0),
-        presence_penalty=_real(body, "presence_penalty", -2, 2, 0.0),
+        repetition_penalty=bounded_float(body, "repetition_penalty", 1.0, 0, 10, lo_open=True),
+        frequency_penalty=bounded_float(body, "frequency_penalty", 0.0, -2, 2),
+        presence_penalty=bounded_float(body, "presence_penalty", 0.0, -2, 2),
         logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
     asked = [k for k in EXTENSIONS if k in body and body[k] != SamplingParams.__dict__.get(k)]
     asked += ["min_tokens"] if params.min_new_tokens else []

@@ -122,8 +122,10 @@ def _int(body: dict, name: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
-def _float(body: dict, name: str, default: float, lo: float, hi: float,
-           lo_open: bool = False) -> float:
+def bounded_float(body: dict, name: str, default: float, lo: float, hi: float,
+                  lo_open: bool = False) -> float:
+    """body[name] (else default) as a float in [lo, hi] ((lo, hi] with lo_open); a 400 naming
+    the field otherwise."""
     value = body.get(name, default)
     rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -183,9 +185,9 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
     if seed is not None:
         seed = _int(body, "seed", seed, 0, MAX_SEED)
     sampling = SamplingParams(
-        temperature=_float(body, "temperature", d.temperature, 0.0, 100.0),
+        temperature=bounded_float(body, "temperature", d.temperature, 0.0, 100.0),
         top_k=_int(body, "top_k", d.top_k, 0, 1_000_000),
-        top_p=_float(body, "top_p", d.top_p, 0.0, 1.0, lo_open=True),
+        top_p=bounded_float(body, "top_p", d.top_p, 0.0, 1.0, lo_open=True),
         seed=seed,
         min_new_tokens=min_new,
     )
