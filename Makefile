@@ -37,6 +37,11 @@ NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
 	tests/e2e/test_synthetic_e2e.py \
 	tests/e2e/test_neuron_e2e.py tests/e2e/test_worker_death_e2e.py
 
+# Most of the suite waits on TorchServe (JVM start, model load, streams), so test files run
+# in parallel processes; a file's tests stay together to share its server (--dist loadfile).
+PYTEST_WORKERS ?= 3
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
+
 .PHONY: install overlays demo stop test test-main test-neuron-stack test-readme lint bench \
 	bench-device clean
 
@@ -84,13 +89,13 @@ test: test-main test-neuron-stack test-readme
 
 # the whole suite on the tested pins; checkpoint and archive checks also load under TF4_ALL
 test-main: install overlays
-	INF2SERVE_TF4_OVERLAYS=$(TF4_OVERLAYS) $(PY) -m pytest tests -q
+	INF2SERVE_TF4_OVERLAYS=$(TF4_OVERLAYS) $(PY) -m pytest tests -q $(PYTEST_PARALLEL)
 
 test-neuron-stack: install overlays
 	@for v in $(TF4_STACK); do \
 	  dir=$(call overlay,$$v); echo "== neuron-path tests under transformers $$v"; \
 	  PYTHONPATH=$$dir $(PY) -c "import transformers as t; assert t.__version__ == '$$v', t.__file__" \
-	  && PYTHONPATH=$$dir $(PY) -m pytest -q $(NEURON_STACK_TESTS) \
+	  && PYTHONPATH=$$dir $(PY) -m pytest -q $(PYTEST_PARALLEL) $(NEURON_STACK_TESTS) \
 	  || exit 1; \
 	done
 
