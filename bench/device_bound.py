@@ -23,6 +23,7 @@ from pathlib import Path
 
 from archive_tools.bench_stats import Scenario, ScenarioResult, host_efficiency, percentile
 from archive_tools.loadgen import GenParams, run_scenario
+from bench.warmup import Warmup, settle_jit
 from handlers.backends.synthetic_backend import tighten_timer_slack
 from tests.e2e.harness import ArchiveSpec, build_store, running_server
 
@@ -88,6 +89,7 @@ class DeviceBound:
     #: label -> the median round's result of each cell, for bench.json / bench.md
     results: dict[str, list[ScenarioResult]] = field(default_factory=dict)
     overshoot: dict = field(default_factory=dict)
+    warmup: Warmup | None = None
 
     def median(self, step: float, streams: int) -> float:
         return statistics.median(self.efficiency[step, streams])
@@ -96,6 +98,9 @@ class DeviceBound:
         return {"model": f"synthetic, batch {BATCH}, fixed step, prefill 0 ms",
                 "new_tokens": NEW_TOKENS, "requests_per_stream": REQUESTS_PER_STREAM,
                 "rounds": self.rounds, "sleep_overshoot": self.overshoot,
+                "warmup": self.warmup and {
+                    "requests": self.warmup.requests, "settled": self.warmup.settled,
+                    "compiler_us_per_request": [round(u) for u in self.warmup.compiler_us]},
                 "host_efficiency_median": {
                     f"{s:g}ms": {str(c): round(self.median(s, c), 3) for c in self.streams}
                     for s in self.steps_ms},
@@ -116,7 +121,10 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
     runs: dict[tuple[float, int], list[ScenarioResult]] = {}
     with running_server(store, work / "device-run", [s.name for s in specs]) as server:
         urls = {s: f"{server.inference_url}/predictions/{label(s)}" for s in steps_ms}
-        for s in steps_ms:  # warm-up: long enough for the JVM's JIT to settle (see run_bench)
+        out.warmup = settle_jit(urls[steps_ms[0]], server.inference_token, server.pid, prompts)
+        print(f"device-bound: frontend JIT warm-up, {out.warmup.requests} requests, compiler "
+              f"us/request by round {[round(u) for u in out.warmup.compiler_us]}", flush=True)
+        for s in steps_ms:  # then each cell's own path once
             run_scenario(urls[s], server.inference_token,
                          Scenario("concurrency", max(streams), requests=3 * max(streams)),
                          prompts, params)
