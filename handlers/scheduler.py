@@ -152,8 +152,12 @@ class Scheduler:
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     def submit(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_queue:
-            raise CapacityError(f"{len(self.waiting)} requests are waiting (handler.max_queue="
+        """Queue `seq`. max_queue bounds the requests waiting for a slot: those that free
+        slots will take at the next step are not counted, so this bound and the worker's
+        (batch_size + max_queue in flight) agree however fast the engine admits."""
+        queued = len(self.waiting) - len(self._free)
+        if queued >= self.max_queue:
+            raise CapacityError(f"{queued} requests are waiting (handler.max_queue="
                                 f"{self.max_queue}); retry later or add workers")
         self.waiting.append(seq)
 

@@ -41,9 +41,25 @@ def test_micro_waits_for_the_whole_micro_batch():
 def test_queue_bound_raises_capacity_error_with_numbers():
     s = Scheduler(slots=1, max_queue=2)
     s.submit(seq("a"))
+    s.admit()
     s.submit(seq("b"))
-    with pytest.raises(CapacityError, match="max_queue=2"):
-        s.submit(seq("c"))
+    s.submit(seq("c"))
+    with pytest.raises(CapacityError, match="2 requests are waiting .*max_queue=2"):
+        s.submit(seq("d"))
+
+
+def test_queue_bound_does_not_count_requests_a_free_slot_will_take():
+    """The worker lets batch_size + max_queue be in flight; the engine must accept as many
+    even when they arrive before it admitted any (CI caught the worker's limit and this
+    one disagreeing when the engine thread was slow)."""
+    s = Scheduler(slots=2, max_queue=1)
+    for x in "abc":
+        s.submit(seq(x))  # a and b take the free slots at the next step
+    with pytest.raises(CapacityError, match="1 requests are waiting"):
+        s.submit(seq("d"))
+    assert [x.request_id for x in s.admit()] == ["a", "b"]
+    with pytest.raises(CapacityError):
+        s.submit(seq("e"))  # c waits for a slot: the queue is full
 
 
 def test_cancel_waiting_and_running():
