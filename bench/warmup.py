@@ -10,9 +10,10 @@ requests until a round costs the compiler threads less than `settled_us` per req
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from archive_tools.bench_stats import Scenario
 from archive_tools.loadgen import GenParams, run_scenario
@@ -22,24 +23,25 @@ COMPILER_THREADS = ("C1 CompilerThre", "C2 CompilerThre")
 
 
 def compiler_cpu_s(pid: int) -> float:
-    """CPU seconds the JVM `pid`'s JIT compiler threads have used so far (Linux /proc)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    """CPU seconds the JVM `pid`'s JIT compiler threads have used so far (psutil's per-thread
+    times; the thread names only Linux /proc gives)."""
+    total = 0.0
+    for thread in psutil.Process(pid).threads():
         try:
-            if (task / "comm").read_text().strip().startswith(COMPILER_THREADS):
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-        except (OSError, IndexError, ValueError):
+            name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text()
+        except OSError:
             continue  # a thread that ended meanwhile
+        if name.startswith(COMPILER_THREADS):
+            total += thread.user_time + thread.system_time
     return total
 
 
 @dataclass
 class Warmup:
+    settled_us: float
     requests: int = 0
     #: compiler CPU per request of each round, microseconds
     compiler_us: list[float] = field(default_factory=list)
-    settled_us: float = 50.0
 
     @property
     def settled(self) -> bool:
