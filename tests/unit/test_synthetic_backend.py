@@ -12,7 +12,7 @@ import pytest
 
 from handlers.backends import load_backend
 from handlers.backends.base import SamplingParams
-from handlers.backends.synthetic_backend import SyntheticBackend
+from handlers.backends.synthetic_backend import StepTimer, SyntheticBackend
 from handlers.backends.synthetic_timing import PRESETS, resolve_timing
 from handlers.config import parse_config
 from handlers.errors import ConfigError, RequestError
@@ -161,6 +161,46 @@ def test_sleep_ends_at_a_deadline_from_the_call_start(tiny_checkpoint, tokenizer
     clock.work_s = 0.02  # work longer than the step: no sleep at all
     b.decode([0])
     assert clock.slept == [pytest.approx(0.008)]
+
+
+def test_a_step_ends_at_its_deadline_when_sleeps_wake_late(tiny_checkpoint, tokenizer):
+    """Sleeps that wake 0.1 ms late: the timer learns to sleep that much less and yields
+    the rest, so steps end on their deadline instead of 0.1 ms after it -- never before."""
+    clock = FakeClock()
+    late, asked = 0.0001, []
+
+    def sleep(seconds: float) -> None:
+        asked.append(seconds)
+        clock.sleep(seconds + late)
+
+    def yield_() -> None:
+        clock.now += 0.000001
+
+    timer = StepTimer(clock.clock, sleep, yield_)
+    ends = []
+    for _ in range(StepTimer.LEAD_WINDOW + 5):
+        deadline = clock.now + 0.01
+        timer.wait_until(deadline)
+        ends.append(clock.now - deadline)
+    assert ends[0] == pytest.approx(late)  # before it has learned
+    assert timer.lead == pytest.approx(late)
+    assert all(0 <= e < 2e-6 for e in ends[StepTimer.LEAD_WINDOW:])
+    assert asked[-1] == pytest.approx(0.01 - late, abs=1e-9)
+
+
+def test_a_sleep_that_wakes_early_is_followed_by_yielding_to_the_deadline():
+    clock = FakeClock()
+    yields = []
+
+    def yield_() -> None:
+        yields.append(clock.now)
+        clock.now += 0.0001
+
+    timer = StepTimer(clock.clock, lambda s: clock.sleep(s - 0.0005), yield_)
+    deadline = clock.now + 0.01
+    timer.wait_until(deadline)
+    assert clock.now >= deadline and len(yields) == 5
+    assert timer.lead == 0.0  # an early wake-up never makes it sleep longer
 
 
 def test_prefill_costs_the_bucket_of_its_longest_prompt(tiny_checkpoint, tokenizer):
