@@ -1,8 +1,10 @@
 """Incremental detokenization against the real demo tokenizer (byte-level BPE)."""
 
+import copy
+
 import pytest
 
-from handlers.detokenize import IncrementalDetokenizer, StopMatcher
+from handlers.detokenize import IncrementalDetokenizer, StopMatcher, decoder
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,28 @@ def test_random_byte_tokens_match_full_decode(tokenizer):
     detok = IncrementalDetokenizer(tokenizer)
     out = "".join(detok.push(i) for i in ids) + detok.flush()
     assert out == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_stock_fast_tokenizer_decodes_in_rust_and_anything_else_through_decode(
+        tokenizer, monkeypatch):
+    import random
+
+    rng = random.Random(1)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(64)] + list(tokenizer.all_special_ids)
+    assert decoder(tokenizer)(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+    def wrapped(self, token_ids, **kwargs):
+        return "wrapper"
+
+    custom = copy.copy(tokenizer)  # a model's own tokenizer class overriding _decode
+    custom.__class__ = type("Custom", (type(tokenizer),), {"_decode": wrapped})
+    assert decoder(custom)(ids) == "wrapper"
+    cleaned = copy.copy(custom)
+    cleaned.__class__ = type(tokenizer)
+    cleaned.clean_up_tokenization_spaces = True  # the wrapper edits the backend's text
+    monkeypatch.setattr(type(tokenizer), "_decode", wrapped)
+    assert decoder(cleaned)(ids) == "wrapper"
+    assert decoder(tokenizer)(ids) != "wrapper"  # the stock class: the Rust decode itself
 
 
 def test_stop_matcher_holds_and_cuts():
