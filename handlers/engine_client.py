@@ -209,12 +209,15 @@ class EngineClient:
         _, events, observations = message
         out = []
         with self._lock:
-            for request_id, event in events:
-                request = self._requests.get(request_id)
+            for item in events:
+                request = self._requests.get(item[0])
                 if request is None:
                     continue
-                if not isinstance(event, TextEvent):  # the request's last event
-                    del self._requests[request_id]
+                if len(item) == 3:  # a TextEvent's fields (engine_process.Outbox)
+                    event = TextEvent(item[1], item[2])
+                else:  # the request's last event
+                    event = item[1]
+                    del self._requests[item[0]]
                 out.append((request.seq, event))
         deliver(out)
         for observation in observations:
