@@ -486,3 +486,51 @@ def test_logprobs_reach_the_finish_event_only_for_a_request_that_asked():
     assert plain.logprobs is None and plain.prompt_logprobs is None
     # text events count the tokens rendered so far (OpenAI continuous usage stats)
     assert [e.tokens for e in events["plain"] if isinstance(e, TextEvent)] == [1, 2, 3]
+
+
+def test_a_steady_batch_still_sees_a_cancel_a_deadline_and_a_newcomer_at_the_next_step():
+    """Steps that only decode the last batch again skip the scheduler; anything that
+    changes the batch must still take effect one step later, as in a full step."""
+    import threading
+    import time
+
+    class Slow(CountingBackend):  # steps long enough for the loop to be in steady state
+        def decode(self, slots):
+            time.sleep(0.002)
+            return super().decode(slots)
+
+    backend = Slow(batch_size=4, max_length=200)
+    engine = Engine(backend, Scheduler(backend.batch_size))
+    admits = []
+    admit = engine.scheduler.admit
+    engine.scheduler.admit = lambda *a: admits.append(1) or admit(*a)
+    ev: dict[str, list] = {}
+    ended = {rid: threading.Event() for rid in ("long", "gone", "due", "new")}
+
+    def seq(rid, start, n, deadline=None):
+        def sink(event):
+            ev.setdefault(rid, []).append(event)
+            if not isinstance(event, TextEvent):
+                ended[rid].set()
+        return Sequence(request_id=rid, prompt_ids=[start], max_new_tokens=n,
+                        sampling=SamplingParams(), stop=(), tokenizer=CharTokenizer(),
+                        sink=sink, deadline=deadline)
+
+    engine.start()
+    try:
+        engine.submit(seq("long", ord("A"), 40))
+        engine.submit(seq("gone", ord("a"), 100))
+        engine.submit(seq("due", ord("0"), 100, deadline=time.monotonic() + 0.06))
+        time.sleep(0.03)
+        engine.cancel("gone")
+        engine.submit(seq("new", ord("A"), 40))
+        assert all(e.wait(10) for e in ended.values())
+    finally:
+        engine.stop()
+    assert ev["gone"][-1] == ErrorEvent(499, "cancelled")
+    assert ev["due"][-1].reason == "timeout" and 0 < ev["due"][-1].completion_tokens < 100
+    assert text(ev["new"]) == text(ev["long"]) == "".join(map(chr, range(66, 106)))
+    released = {slot for kind, slots in backend.calls if kind == "release" for slot in slots}
+    assert len(released) >= 3 and backend.last == {}
+    decodes = sum(kind == "decode" for kind, _ in backend.calls)
+    assert len(admits) < decodes / 2  # most steps only decoded the batch again
