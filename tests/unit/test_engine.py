@@ -534,3 +534,26 @@ def test_a_steady_batch_still_sees_a_cancel_a_deadline_and_a_newcomer_at_the_nex
     assert len(released) >= 3 and backend.last == {}
     decodes = sum(kind == "decode" for kind, _ in backend.calls)
     assert len(admits) < decodes / 2  # most steps only decoded the batch again
+
+
+def test_the_output_side_takes_a_step_only_when_the_last_is_done_and_stops_after_it():
+    import threading
+
+    from handlers.engine import OutputThread
+
+    release, emitted = threading.Event(), []
+
+    def emit(items):
+        release.wait(5)
+        emitted.append(items)
+
+    out = OutputThread(emit)
+    out.put([1])  # taken at once; its emit waits
+    second = threading.Thread(target=out.put, args=([2],))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and emitted == []  # step 2 waits for step 1's output
+    release.set()
+    second.join(5)
+    out.stop()  # after what was handed over
+    assert emitted == [[1], [2]]
