@@ -14,6 +14,7 @@ exactly streams / step. Never a hardware result.
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import threading
@@ -84,6 +85,16 @@ def step_lateness(target_s: float = 0.005, n: int = 200) -> dict:
             "time_sleep": measure(lambda start: time.sleep(target_s))}
 
 
+def steal_s() -> float | None:
+    """CPU time the hypervisor gave other guests, all CPUs, since boot (Linux /proc/stat;
+    None elsewhere): on a shared VM it stalls the engine thread like a slow device step."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 @dataclass
 class DeviceBound:
     steps_ms: tuple[float, ...]
@@ -96,6 +107,8 @@ class DeviceBound:
     results: dict[str, list[ScenarioResult]] = field(default_factory=dict)
     lateness: dict = field(default_factory=dict)
     warmup: Warmup | None = None
+    #: (seconds the rounds took, CPU seconds stolen by the hypervisor meanwhile)
+    stolen: tuple[float, float] | None = None
 
     def median(self, step: float, streams: int) -> float:
         return statistics.median(self.efficiency[step, streams])
@@ -104,6 +117,8 @@ class DeviceBound:
         return {"model": f"synthetic, batch {BATCH}, fixed step, prefill 0 ms",
                 "new_tokens": NEW_TOKENS, "requests_per_stream": REQUESTS_PER_STREAM,
                 "rounds": self.rounds, "step_lateness": self.lateness,
+                "steal": self.stolen and {"wall_s": round(self.stolen[0], 1),
+                                          "stolen_cpu_s": round(self.stolen[1], 2)},
                 "warmup": self.warmup and {
                     "requests": self.warmup.requests, "settled": self.warmup.settled,
                     "compiler_us_per_request": [round(u) for u in self.warmup.compiler_us]},
@@ -134,6 +149,7 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
             run_scenario(urls[s], server.inference_token,
                          Scenario("concurrency", max(streams), requests=3 * max(streams)),
                          prompts, params)
+        started, stolen = time.perf_counter(), steal_s()
         for r in range(rounds):
             for s in steps_ms:
                 for c in streams:
@@ -148,6 +164,8 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
                     print(f"  round {r + 1} step {s:g} ms streams {c:2d}: {tps:7.1f} tok/s "
                           f"efficiency {eff:.3f} ok={res.summary.ok}/{res.summary.requests}",
                           flush=True)
+        if stolen is not None:
+            out.stolen = (time.perf_counter() - started, steal_s() - stolen)
     for (s, c), cell in runs.items():  # the round whose efficiency is the median
         effs = out.efficiency[s, c]
         mid = sorted(range(len(effs)), key=effs.__getitem__)[len(effs) // 2]
@@ -185,7 +203,14 @@ def summary_section(dev: DeviceBound) -> str:
               f"plain `time.sleep` returned late by {t['median_us']} us (median; mean "
               f"{t['mean_us']} us). The device ends a step at its deadline, never before "
               "(handlers/backends/synthetic_backend.py, StepTimer); what lateness remains "
-              "counts against host efficiency.", ""]
+              "counts against host efficiency."]
+    if dev.stolen:
+        wall, stolen = dev.stolen
+        lines += ["", f"While the rounds ran ({wall:.0f} s), the hypervisor gave {stolen:.1f} s "
+                  f"of this VM's {os.cpu_count()} CPUs to other guests (/proc/stat steal; "
+                  f"{stolen / (wall * (os.cpu_count() or 1)):.1%} of their time): a stalled "
+                  "engine thread counts as host loss too."]
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -301,7 +301,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7, help="paired in-process/served rounds")
     ap.add_argument("--only", choices=("cpu", "device-bound"),
                     help="run one part; device-bound keeps the CPU part of an existing report")
-    ap.add_argument("--device-rounds", type=int, default=3,
+    ap.add_argument("--device-rounds", type=int, default=7,
                     help="rounds of the device-bound scenario (median reported)")
     ap.add_argument("--pair-rounds", type=int, default=3,
                     help="paired continuous/micro closed-loop rounds")
