@@ -11,10 +11,12 @@ finishes they decide (EOS, max_new_tokens, max_length), which free slots at once
 The rest of step N -- detokenizing, stop strings, metrics, events to the sinks
 (grouped: one wake-up per event loop per step) -- runs on the output thread while
 step N+1 is on the device (vLLM's engine core overlaps its output processing the
-same way). Step N+1's output is handed over once step N's is done, so a sequence
-that hits a stop string leaves at the next step boundary, like a cancel: one
-wasted row-step, and no change to what it answers (the output side counts the
-tokens it rendered). Nothing here waits on a request: a sink must not block.
+same way); newcomers' first tokens go over right after their prefill, if the output
+side is idle, so time to first token does not include the step's decode. Step N+1's
+output is handed over once step N's is done, so a sequence that hits a stop string
+leaves at the next step boundary, like a cancel: one wasted row-step, and no change
+to what it answers (the output side counts the tokens it rendered). Nothing here
+waits on a request: a sink must not block.
 
 A step whose batch is the last one's -- nothing finished, failed, arrived, was
 cancelled or came due -- only decodes it again: the scheduler is not consulted. On the
@@ -148,6 +150,7 @@ class Engine:
                     self._output.put(self.collect(batch))
         finally:
             self._output.stop()
+            self._output = None
 
     def _unchanged_batch(self) -> tuple[list[Sequence], list[int]] | None:
         """The last decode's batch, if the next step is only its decode again."""
@@ -213,6 +216,10 @@ class Engine:
             if self._packed(newcomers):
                 return
             self._prefill(newcomers)
+            # their first tokens go out now, not after the decode below (a step later),
+            # unless the output side is still busy with the last step: never wait here
+            if self._items and self._output is not None and self._output.offer(self._items):
+                self._items = []
         with self._cond:
             # every row the backend holds, even one cancelled since `take_cancelled` (it
             # leaves at the next step): a decode of fewer rows fails the whole batch
@@ -376,6 +383,15 @@ class OutputThread:
     def put(self, items: list[Item]) -> None:
         self._free.get()  # waits while the previous step's output runs
         self._todo.put(items)
+
+    def offer(self, items: list[Item]) -> bool:
+        """`put` if the output side is idle now; False (nothing handed over) if not."""
+        try:
+            self._free.get_nowait()
+        except queue.Empty:
+            return False
+        self._todo.put(items)
+        return True
 
     def stop(self, timeout_s: float = 10) -> None:
         """After the output handed over so far is done."""

@@ -344,24 +344,31 @@ def test_a_cancel_after_a_stop_string_hit_sends_no_second_end():
     assert backend.last == {}
 
 
-def test_the_loop_calls_the_next_decode_before_delivering_a_steps_events():
+def test_the_loop_sends_first_tokens_before_the_decode_and_a_steps_text_during_the_next():
     import threading
 
-    second_decode = threading.Event()
+    prefill_text, second_decode = threading.Event(), threading.Event()
+    during_first_decode = []
 
     class Recording(CountingBackend):
         def decode(self, slots):
+            if self.decodes == 0:  # the prefill's token is out while decode 1 runs
+                during_first_decode.append(prefill_text.wait(5))
             if self.decodes == 1:
                 second_decode.set()
             return super().decode(slots)
 
     backend = Recording()
     engine = Engine(backend, Scheduler(backend.batch_size))
-    overlapped_first, done = [], threading.Event()
+    texts, overlapped, done = [], [], threading.Event()
 
     def sink(event):
-        if not overlapped_first:  # step 1's text: decode 2 has been called by now
-            overlapped_first.append(second_decode.wait(5))
+        if isinstance(event, TextEvent):
+            texts.append(event.text)
+            if len(texts) == 1:
+                prefill_text.set()
+            elif len(texts) == 2:  # decode 1's text: decode 2 has been called by now
+                overlapped.append(second_decode.wait(5))
         if isinstance(event, FinishEvent):
             done.set()
 
@@ -373,7 +380,8 @@ def test_the_loop_calls_the_next_decode_before_delivering_a_steps_events():
         assert done.wait(10)
     finally:
         engine.stop()
-    assert overlapped_first == [True]
+    assert during_first_decode == [True] and overlapped == [True]
+    assert "".join(texts) == "efghij"
 
 
 def test_the_loop_answers_as_the_serial_step_does():
