@@ -122,6 +122,17 @@ def logs(run_dir: Path) -> str:
     return serve.log_tail(run_dir, 200)
 
 
+def logged(run_dir: Path, text: str, timeout_s: float = 10) -> bool:
+    """Whether `text` reaches the logs within `timeout_s`: an answer can overtake the log
+    lines of its own failure (TorchServe copies the worker's stdout line by line)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in logs(run_dir):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def attach_logs_fixture():
     """An autouse fixture printing the module's `server` log tail after a failed test.
 
