@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from archive_tools.bench_stats import Scenario, ScenarioResult, host_efficiency, percentile
 from archive_tools.loadgen import GenParams, run_scenario
 from bench.warmup import Warmup, settle_jit
@@ -86,13 +88,9 @@ def step_lateness(target_s: float = 0.005, n: int = 200) -> dict:
 
 
 def steal_s() -> float | None:
-    """CPU time the hypervisor gave other guests, all CPUs, since boot (Linux /proc/stat;
-    None elsewhere): on a shared VM it stalls the engine thread like a slow device step."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
+    """CPU time the hypervisor gave other guests, all CPUs, since boot (psutil; None where
+    the OS does not say): on a shared VM it stalls the engine thread like a slow step."""
+    return getattr(psutil.cpu_times(), "steal", None)
 
 
 @dataclass

@@ -9,6 +9,7 @@ deltas equal `tokenizer.decode(all_ids)`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -29,14 +30,20 @@ def decoder(tokenizer: Tokenizer) -> Callable[[list[int]], str]:
     backend's decode plus an optional clean-up of spaces (4.36-5.x). The wrapper's input
     conversion costs ~5 us of the ~6 us a short decode takes, twice per generated token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-
-    def owner(name: str) -> str | None:
-        return next((c.__module__ for c in type(tokenizer).__mro__ if name in vars(c)), None)
-
     if (backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-            and owner("decode") == _STOCK_DECODE and owner("_decode") in _STOCK_FAST_DECODE):
+            and _stock_decode(type(tokenizer))):
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@functools.cache
+def _stock_decode(cls: type) -> bool:
+    """Whether `cls` decodes through transformers' own decode and fast _decode (once per
+    class, not per request)."""
+    def owner(name: str) -> str | None:
+        return next((c.__module__ for c in cls.__mro__ if name in vars(c)), None)
+
+    return owner("decode") == _STOCK_DECODE and owner("_decode") in _STOCK_FAST_DECODE
 
 
 class IncrementalDetokenizer:

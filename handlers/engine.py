@@ -70,7 +70,6 @@ class Engine:
         self._stopping = False
         self._load: tuple[int, int] | None = None  # (waiting, busy) last reported
         self._items: list[Item] = []  # the current step's output (engine thread)
-        self._finished: list[Sequence] = []  # finished by their ids in the current call
         #: the last decode's batch and slots, while decoding them again is the whole step
         self._batch: tuple[list[Sequence], list[int]] | None = None
         #: something since the last full step may change the batch: a finish, a failure,
