@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,13 +23,17 @@ from pathlib import Path
 
 import httpx
 
-from archive_tools.ts_logs import died_at_load, load_failure, log_sizes, settle
+from archive_tools import ts_logs
+from archive_tools.ports import free_port
+from archive_tools.ts_logs import FRONTEND_OUT, died_at_load, load_failure, log_sizes, settle
 from handlers.errors import Inf2ServeError
 
 DEFAULT_RUN_DIR = Path(".serve")
 #: minutes a token lasts (TorchServe's token_expiration_min, 60 by default: ConfigManager.java
 #: getTimeToExpiration); a working day for a local server, and `inf2serve token` renews it
 TOKEN_EXPIRY_MIN = 720
+#: starts tried when a picked port was taken before TorchServe bound it
+START_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -50,10 +53,8 @@ class Server:
                 f"{self.inference_url}/predictions/{model} -d '{body}'")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class PortTaken(Inf2ServeError):
+    """A port picked for this server was bound by someone else before TorchServe bound it."""
 
 
 def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, ...],
@@ -151,7 +152,10 @@ def wait_ready(server: Server, models: list[str], timeout_s: float,
     scanned = dict(log_sizes or {})
     while pending:
         if not _alive(server.pid):
-            raise Inf2ServeError(f"TorchServe exited during start-up\n{log_tail(server.run_dir)}")
+            why = ts_logs.frontend_exit(server.run_dir, log_sizes or {})
+            error = PortTaken if ts_logs.PORT_TAKEN in why else Inf2ServeError
+            raise error(f"TorchServe exited during start-up: {why or '(no exception printed)'}"
+                        f"\n{log_tail(server.run_dir)}")
         if log_sizes is not None and died_at_load(server.run_dir, scanned):
             settle(server.run_dir / "logs" / "model_log.log")
             raise Inf2ServeError(load_failure(server.run_dir, log_sizes)
@@ -206,19 +210,34 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
         raise Inf2ServeError(f"a TorchServe is already running from {run_dir}; "
                              f"stop it with `inf2serve stop --run-dir {run_dir}`")
     run_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _launch(run_dir, model_store, specs, models, workers, env, python,
+                           ready_timeout_s, extra_props)
+        except PortTaken:
+            if attempt == START_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch(run_dir: Path, model_store: Path, specs: list[str], models: list[str], workers: int,
+            env: dict[str, str] | None, python: str | None, ready_timeout_s: float,
+            extra_props: dict[str, str] | None) -> Server:
+    """One `torchserve --start` on freshly picked ports, waited on until READY; stopped
+    again on any failure."""
     (run_dir / "key_file.json").unlink(missing_ok=True)
     sizes = log_sizes(run_dir)
     ports = tuple(free_port() for _ in range(5))
     cfg = write_config_properties(run_dir, model_store, ports, workers, extra_props)
     cmd = [_torchserve_bin(python), "--start", "--ncs", "--model-store", str(model_store.resolve()),
            "--ts-config", str(cfg), "--models", *specs]
-    with open(run_dir / "torchserve.out", "ab") as out:
+    with open(run_dir / FRONTEND_OUT, "ab") as out:
         subprocess.run(cmd, cwd=run_dir, env=_server_env(run_dir, env), stdout=out,
                        stderr=subprocess.STDOUT, check=True, timeout=120)
     try:
         pid = _pid(run_dir)
         if pid is None:
-            raise Inf2ServeError(f"TorchServe wrote no pid file; see {run_dir / 'torchserve.out'}")
+            raise Inf2ServeError(f"TorchServe wrote no pid file; see {run_dir / FRONTEND_OUT}")
         inference_token, management_token = read_tokens(run_dir)
         server = Server(run_dir, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
                         f"http://127.0.0.1:{ports[2]}", inference_token, management_token, pid)

@@ -1,4 +1,5 @@
-"""What TorchServe's logs say about a worker that died while loading its model.
+"""What TorchServe's logs say about a worker that died while loading its model, or a
+frontend that exited during start-up.
 
 TorchServe 0.12 restarts such a worker for ever (with back-off), and its management API
 shows only a worker that is not READY, so `inf2serve serve` reads the logs of its run
@@ -21,17 +22,25 @@ DIED_AT_LOAD = "Worker disconnected. WORKER_STARTED"
 #: the worker's own last words, then its traceback (ts/model_service_worker.py:311)
 WORKER_DIED = "Backend worker process died."
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\w*\b")
+#: the frontend's stdout (`torchserve --start` hands it down from `inf2serve serve`): where
+#: a start-up exception goes, never to ts_log (ModelServer.java:112-117, printStackTrace)
+FRONTEND_OUT = "torchserve.out"
+#: a bind that failed (REST or gRPC port), the one start-up failure a retry can cure
+PORT_TAKEN = "Address already in use"
+
+
+def _path(run_dir: Path, name: str) -> Path:
+    return run_dir / name if name == FRONTEND_OUT else run_dir / "logs" / name
 
 
 def log_sizes(run_dir: Path) -> dict[str, int]:
     """Where each log ends now: TorchServe appends to the logs of earlier runs."""
-    logs = run_dir / "logs"
-    return {n: (logs / n).stat().st_size if (logs / n).exists() else 0
-            for n in ("ts_log.log", "model_log.log")}
+    return {n: _path(run_dir, n).stat().st_size if _path(run_dir, n).exists() else 0
+            for n in ("ts_log.log", "model_log.log", FRONTEND_OUT)}
 
 
 def log_since(run_dir: Path, name: str, sizes: dict[str, int]) -> str:
-    path = run_dir / "logs" / name
+    path = _path(run_dir, name)
     if not path.exists():
         return ""
     with open(path, "rb") as f:
@@ -81,3 +90,14 @@ def load_failure(run_dir: Path, sizes: dict[str, int]) -> str | None:
     return (f"{who} worker died while loading the model: {summary}\n"
             f"TorchServe would restart it for ever, so serve stops here. The worker's log "
             f"({run_dir / 'logs' / 'model_log.log'}):\n  " + "\n  ".join(why[-25:]))
+
+
+def frontend_exit(run_dir: Path, sizes: dict[str, int]) -> str:
+    """What the frontend printed, since `sizes`, after its log's last words (ModelServer.java:
+    138-140 "Torchserve stopped.", then main's printStackTrace), without the Java stack
+    frames: the exception and its causes."""
+    lines = log_since(run_dir, FRONTEND_OUT, sizes).splitlines()
+    last = max((i for i, line in enumerate(lines) if "Torchserve stopped." in line), default=-1)
+    tail = lines[last + 1:] if last >= 0 else lines[-40:]
+    return "\n".join(line for line in tail if line.strip() and not line.startswith("\tat ")
+                     and not line.lstrip().startswith("... "))

@@ -21,10 +21,10 @@ import httpx
 import pytest
 import yaml
 
-from archive_tools import serve
 from archive_tools.export import export
 from archive_tools.k8s_export import CONFIG_DIR, MODEL_STORE, K8sOptions
 from archive_tools.package import package
+from archive_tools.ports import free_port
 
 from ._venv import make_serving_venv
 from .test_package_formats import CONFIG, _wait_gone, isolated_ports, stream
@@ -70,7 +70,7 @@ def test_exported_container_serves_and_streams(tiny_checkpoint: Path, serving_py
     files = _load(out / "configmap.yaml")["data"]
 
     # the ConfigMap mount, with this machine's free ports instead of 8080/8081/8082
-    ports = {p: serve.free_port() for p in ("8080", "8081", "8082")}
+    ports = {p: free_port() for p in ("8080", "8081", "8082")}
     props = re.sub(r":(8080|8081|8082)\b", lambda m: f":{ports[m.group(1)]}",
                    files["config.properties"])
     props += "".join(f"{k}={v}\n" for k, v in isolated_ports().items())  # shared machine only

@@ -24,6 +24,7 @@ import pytest
 from archive_tools import serve
 from archive_tools.export import export
 from archive_tools.package import FORMATS, package
+from archive_tools.ports import free_port
 
 from ._venv import importable, make_serving_venv
 
@@ -95,8 +96,8 @@ def isolated_ports() -> dict[str, str]:
     """Other TorchServes may run on this machine: by default every one binds gRPC 7070/7071
     and puts worker sockets at /tmp/.ts.sock.9000+, so give this one its own."""
     base = random.randrange(20000, 60000, 100)
-    return {"grpc_inference_port": str(serve.free_port()),
-            "grpc_management_port": str(serve.free_port()),
+    return {"grpc_inference_port": str(free_port()),
+            "grpc_management_port": str(free_port()),
             "initial_worker_port": str(base), "initial_distribution_port": str(base + 50)}
 
 
@@ -159,7 +160,7 @@ def test_sagemaker_export_serves_via_its_serve_script(store: Path, serving_pytho
     with open(model_dir / "config.properties", "a") as f:  # only for this shared test machine
         f.write("".join(f"{k}={v}\n" for k, v in isolated_ports().items()))
     model_dir.chmod(0o555)  # /opt/ml/model is read-only on SageMaker
-    port = serve.free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(SM_MODEL_DIR=str(model_dir), SAGEMAKER_BIND_TO_PORT=str(port),
                PATH=f"{serving_python.parent}:{env['PATH']}", TMPDIR=str(tmp_path))

@@ -66,3 +66,34 @@ def test_polls_read_only_new_whole_lines(tmp_path: Path) -> None:
     write_logs(tmp_path, tail, "")
     assert ts_logs.died_at_load(tmp_path, scanned)
     assert not ts_logs.died_at_load(tmp_path, scanned)  # already read
+
+
+def test_frontend_exit_quotes_the_exception_without_stack_frames(tmp_path: Path) -> None:
+    (tmp_path / ts_logs.FRONTEND_OUT).write_text("an earlier run's output\n")
+    sizes = ts_logs.log_sizes(tmp_path)
+    with open(tmp_path / ts_logs.FRONTEND_OUT, "a") as f:  # as a real run printed it
+        f.write("2026-11-23T09:46:16,707 [INFO ] main org.pytorch.serve.ModelServer - Metrics API"
+                " bind to: http://127.0.0.1:34675\n"
+                "2026-11-23T09:46:19,544 [INFO ] main org.pytorch.serve.ModelServer - Torchserve"
+                " stopped.\n"
+                "java.io.IOException: Failed to bind to address /127.0.0.1:44081\n"
+                "\tat io.grpc.netty.shaded.io.grpc.netty.NettyServer.start(NettyServer.java:328)\n"
+                "Caused by: io.grpc.netty.shaded.io.netty.channel.unix.Errors$NativeIoException: "
+                "bind(..) failed: Address already in use\n"
+                "\t... 9 more\n")
+    assert ts_logs.frontend_exit(tmp_path, sizes) == (
+        "java.io.IOException: Failed to bind to address /127.0.0.1:44081\n"
+        "Caused by: io.grpc.netty.shaded.io.netty.channel.unix.Errors$NativeIoException: "
+        "bind(..) failed: Address already in use")
+    assert ts_logs.PORT_TAKEN in ts_logs.frontend_exit(tmp_path, sizes)
+    assert ts_logs.frontend_exit(tmp_path, ts_logs.log_sizes(tmp_path)) == ""  # nothing new
+
+
+def test_free_ports_lie_below_the_ephemeral_range() -> None:
+    from archive_tools.ports import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1
+    if low > 11024:  # else the range leaves no room and any free port will do
+        assert all(low - 10000 <= p < low for p in ports), (low, ports)
