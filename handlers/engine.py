@@ -22,7 +22,9 @@ A step whose batch is the last one's -- nothing finished, failed, arrived, was
 cancelled or came due -- only decodes it again: the scheduler is not consulted. On the
 2-core bench VM each lock and call right after a device step runs cold (~20 us apiece),
 and the full step's bookkeeping put ~125 us between two device calls where a bare
-decode loop has ~40.
+decode loop has ~40. While such a decode can finish nobody -- no sequence is within a
+token of its length limit, no token is an EOS id -- even adding its tokens to their
+sequences waits for the output side (`Unrecorded`): 32 rows took ~65 us there, cold.
 
 A sequence past its deadline (`Sequence.deadline`) leaves at the start of the next
 step, before admission, so a newcomer takes its slot in that same step: a waiting
@@ -40,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import NamedTuple
 
 from handlers.backends.base import Backend
 from handlers.scheduler import ErrorEvent, Event, Scheduler, Sequence, TextEvent
@@ -52,6 +55,14 @@ Observer = Callable[[str, float, str], None]
 #: generated token; (sequence, None, event) for an end the engine decided (cancel,
 #: failure); (sequence, None, "timeout") for a deadline
 Item = tuple[Sequence, "int | None", "str | Event | None"]
+
+
+class Unrecorded(NamedTuple):
+    """A decode whose tokens the output side adds to their sequences (`Engine.emit`): one
+    that the engine knew could finish none of them (`Engine._hand_over`)."""
+
+    seqs: list[Sequence]
+    tokens: list[int]
 
 
 class Engine:
@@ -76,6 +87,10 @@ class Engine:
         #: a cancel, an end on the output side (a stop string)
         self._changed = False
         self._next_deadline = float("inf")  # the running batch's earliest deadline
+        #: decodes of the last batch again that cannot finish a sequence by length
+        self._quiet = 0
+        #: a step went to the output side `Unrecorded`: settle before adding tokens here
+        self._behind = False
 
     # -- called from request threads -------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -162,19 +177,21 @@ class Engine:
         """One iteration and its output, on the calling thread (the loop overlaps them)."""
         self.emit(self.collect())
 
-    def collect(self, batch: tuple[list[Sequence], list[int]] | None = None) -> list[Item]:
+    def collect(self, batch: tuple[list[Sequence], list[int]] | None = None
+                ) -> list[Item] | Unrecorded:
         """One iteration on the engine thread: release overdue, cancelled and stopped
         sequences, prefill newcomers, decode the running batch; then the load gauges, if
         they changed. With `batch` (`_unchanged_batch`), only its decode. Returns the
         step's output for `emit`."""
-        self._items = []
+        self._items: list[Item] | Unrecorded = []
         try:
             if batch is None:
                 self._step()
             else:
-                self._decode(*batch)
+                self._decode_again(*batch)
         except Exception:  # the loop must survive anything a step can throw
             logger.exception("engine step failed")
+            self._settle()
             self._fail(list(self.scheduler.running.values()), 500, "internal error")
         finally:
             if batch is None or self._changed:
@@ -227,10 +244,45 @@ class Engine:
             self._next_deadline = min((s.deadline for s in batch if s.deadline is not None),
                                       default=float("inf"))
             self._decode(batch, [s.slot for s in batch])
+            self._quiet = self._quiet_decodes(batch)
 
     def _decode(self, batch: list[Sequence], slots: list[int]) -> None:
         self._batch = (batch, slots)
         self._call(batch, lambda: self.backend.decode(slots), "decode")
+
+    def _decode_again(self, batch: list[Sequence], slots: list[int]) -> None:
+        """The last batch's decode again (`_unchanged_batch`); its tokens are recorded by
+        the output side while it can finish nobody."""
+        if self._quiet <= 0:
+            self._decode(batch, slots)
+            return
+        self._quiet -= 1
+        self._call(batch, lambda: self.backend.decode(slots), "decode", self._hand_over)
+
+    def _hand_over(self, seqs: list[Sequence], tokens: list[int], what: str) -> None:
+        if len(tokens) == len(seqs) and self.backend.eos_token_ids.isdisjoint(tokens):
+            self._items = Unrecorded(seqs, tokens)
+            self._behind = True
+        else:
+            self._deliver(seqs, tokens, what)
+
+    def _quiet_decodes(self, batch: list[Sequence]) -> int:
+        """How many more decodes of `batch` finish no sequence by length (max_new_tokens,
+        max_length): the k-th finishes one with k tokens left. None for a batch with a
+        request that asked for logprobs: the backend's are read right after each decode."""
+        if any(s.sampling.logprobs is not None for s in batch):
+            return 0
+        limit = self.backend.max_length
+        return min(min(s.max_new_tokens, limit - len(s.prompt_ids)) - len(s.generated)
+                   for s in batch) - 1
+
+    def _settle(self) -> None:
+        """Wait until the output side recorded every `Unrecorded` decode handed over: a
+        sequence's tokens are added in order, here or there."""
+        if self._behind:
+            self._behind = False
+            if self._output is not None:
+                self._output.wait_idle()
 
     def _packed(self, newcomers: list[Sequence]) -> bool:
         """Continuous mode, on a backend that can: newcomers' prefill and the running
@@ -276,7 +328,8 @@ class Engine:
             return
         self._deliver(seqs, tokens, "prefill")
 
-    def _call(self, seqs: list[Sequence], fn: Callable[[], list[int]], what: str) -> None:
+    def _call(self, seqs: list[Sequence], fn: Callable[[], list[int]], what: str,
+              deliver: Callable[[list[Sequence], list[int], str], None] | None = None) -> None:
         try:
             tokens = fn()
         except Exception:
@@ -284,9 +337,10 @@ class Engine:
             logger.exception("%s failed for request(s) %s", what, ids)
             self._fail(seqs, 500, f"generation failed ({what}); the worker log has the details")
             return
-        self._deliver(seqs, tokens, what)
+        (deliver or self._deliver)(seqs, tokens, what)
 
     def _deliver(self, seqs: list[Sequence], tokens: list[int], what: str) -> None:
+        self._settle()
         if len(tokens) != len(seqs):
             logger.error("%s returned %d tokens for %d sequences", what, len(tokens), len(seqs))
             self._fail(seqs, 500, f"generation failed ({what}); the worker log has the details")
@@ -326,10 +380,12 @@ class Engine:
         self._items += [(seq, None, ErrorEvent(status, message)) for seq in seqs]
 
     # -- the output side ----------------------------------------------------------------
-    def emit(self, items: list[Item]) -> None:
+    def emit(self, items: list[Item] | Unrecorded) -> None:
         """A step's output: text, stop strings, metrics, then every event to its sink -- a
         sequence's ends after its text, each event loop woken once. A sequence that ended
         (`done`) gets nothing more: a stop string may end it before the engine knows."""
+        if type(items) is Unrecorded:
+            items = self._record(items)
         out: list[tuple[Sequence, Event]] = []
         for seq, token, what in items:
             if seq.done:
@@ -353,6 +409,14 @@ class Engine:
         deliver(out)
         self._after_step()
 
+    def _record(self, step: Unrecorded) -> list[Item]:
+        """An `Unrecorded` decode's tokens added to their sequences. A finish found here
+        (none is expected) ends the sequence on this side, like a stop string: it leaves
+        at the next step."""
+        eos, max_length = self.backend.eos_token_ids, self.backend.max_length
+        return [(seq, token, seq.add(token, eos, max_length))
+                for seq, token in zip(step.seqs, step.tokens, strict=True)]
+
     def _finish(self, seq: Sequence, reason: str) -> Event:
         seq.done = True
         self._changed = True  # after `done`: a stop string's end leaves at the next step
@@ -371,7 +435,7 @@ class OutputThread:
 
     _STOP = object()
 
-    def __init__(self, emit: Callable[[list[Item]], None]) -> None:
+    def __init__(self, emit: Callable[[list[Item] | Unrecorded], None]) -> None:
         self._emit = emit
         self._todo: queue.SimpleQueue = queue.SimpleQueue()  # steps' outputs, then _STOP
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # one token while not busy
@@ -379,9 +443,13 @@ class OutputThread:
         self._thread = threading.Thread(target=self._run, name="inf2serve-output", daemon=True)
         self._thread.start()
 
-    def put(self, items: list[Item]) -> None:
+    def put(self, items: list[Item] | Unrecorded) -> None:
         self._free.get()  # waits while the previous step's output runs
         self._todo.put(items)
+
+    def wait_idle(self) -> None:
+        """Until everything handed over is done."""
+        self._free.put(self._free.get())
 
     def offer(self, items: list[Item]) -> bool:
         """`put` if the output side is idle now; False (nothing handed over) if not."""

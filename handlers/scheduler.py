@@ -58,8 +58,9 @@ class Sequence:
     """One request's generation state. Never calls the model.
 
     Split between two threads: the engine thread records token ids and the finish they
-    decide (`add`); the output side turns them into text and finds stop strings
-    (`render`, `cut`), one step behind (handlers/engine.py)."""
+    decide (`add`; the output side does, in order, for a decode known to finish nobody);
+    the output side turns them into text and finds stop strings (`render`, `cut`), one
+    step behind (handlers/engine.py)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -73,7 +74,7 @@ class Sequence:
     slot: int | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
-    generated: list[int] = field(default_factory=list)  # engine thread: every token
+    generated: list[int] = field(default_factory=list)  # `add`: every token
     shown: int = 0  # output side: tokens turned into text (a prefix of `generated`)
     cancelled: bool = False
     done: bool = False  # output side: its last event went out (it leaves at the next step)
@@ -87,7 +88,7 @@ class Sequence:
         self._text: list[str] = []
 
     def add(self, token: int, eos_ids: frozenset[int], max_length: int) -> str | None:
-        """Engine thread: record a generated token; return the finish reason its id alone
+        """Record a generated token; return the finish reason its id alone
         decides (EOS: "stop"; max_new_tokens or max_length: "length"), else None."""
         self.generated.append(token)
         if self.first_token_at is None:

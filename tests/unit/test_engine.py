@@ -565,3 +565,59 @@ def test_the_output_side_takes_a_step_only_when_the_last_is_done_and_stops_after
     second.join(5)
     out.stop()  # after what was handed over
     assert emitted == [[1], [2]]
+
+
+def test_decodes_that_finish_nobody_are_recorded_on_the_output_side_with_the_same_answers(
+        monkeypatch):
+    """Tokens of a steady batch's decode that can end no sequence are added to their
+    sequences by the output thread; the answers equal the serial step's through an EOS, a
+    max_new_tokens and a max_length end, and a batch with a request that asked for
+    logprobs keeps recording on the engine thread (they are read after each decode)."""
+    import threading
+    import time
+
+    class Slow(LogprobBackend):  # steps long enough for the loop to reach steady state
+        def decode(self, slots):
+            time.sleep(0.001)
+            return super().decode(slots)
+
+    def scenario(engine, ev, logprobs=None):
+        for rid, start, n in (("len", ord("A"), 30), ("eos", 9980, 40), ("max_length", 48, 500),
+                              ("stop", ord("a"), 40)):
+            sampling = SamplingParams(logprobs=logprobs if rid == "len" else None)
+            engine.submit(Sequence(request_id=rid, prompt_ids=[64, start], max_new_tokens=n,
+                                   sampling=sampling, stop=("v",) if rid == "stop" else (),
+                                   tokenizer=CharTokenizer(),
+                                   sink=ev.setdefault(rid, []).append))
+
+    def serve(logprobs=None):
+        serial, ev_serial = Engine(Slow(max_length=40), Scheduler(4)), {}
+        scenario(serial, ev_serial, logprobs)
+        run(serial)
+        recorded_by = []
+        add = Sequence.add
+        monkeypatch.setattr(Sequence, "add", lambda self, *a: recorded_by.append(
+            (self.request_id, threading.current_thread().name)) or add(self, *a))
+        engine, ev = Engine(Slow(max_length=40), Scheduler(4)), {}
+        engine.start()
+        try:
+            scenario(engine, ev, logprobs)
+            for _ in range(500):
+                if all(e and not isinstance(e[-1], TextEvent) for e in ev.values()):
+                    break
+                time.sleep(0.01)
+        finally:
+            engine.stop()
+            monkeypatch.undo()
+        assert ev == ev_serial
+        return ev, recorded_by
+
+    ev, recorded_by = serve()
+    assert [ev[r][-1].reason for r in ("len", "eos", "max_length", "stop")] == [
+        "length", "stop", "length", "stop"]
+    assert ev["max_length"][-1].completion_tokens == 38  # prompt of 2, max_length 40
+    by_output = [r for r, thread in recorded_by if thread == "inf2serve-output"]
+    assert len(by_output) > len(recorded_by) / 2 and by_output.count("len") > 15
+    ev, recorded_by = serve(logprobs=1)
+    assert len(ev["len"][-1].logprobs) == 30
+    assert {thread for r, thread in recorded_by if r == "len"} == {"inf2serve-engine"}
