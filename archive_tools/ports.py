@@ -6,6 +6,9 @@ import random
 import socket
 from pathlib import Path
 
+#: how far below the ephemeral range ports are picked (never below the privileged 1024)
+SPAN = 10_000
+
 
 def _ephemeral_low() -> int:
     try:
@@ -19,10 +22,10 @@ def free_port() -> int:
     and TorchServe's bind no client connection can be handed it as its local port (a CI run
     lost a gRPC bind that way); any free port where that range leaves no room."""
     low, rng = _ephemeral_low(), random.SystemRandom()
-    for _ in range(50 if low > 11024 else 0):
+    for _ in range(50 if low - SPAN >= 1024 else 0):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
-                s.bind(("127.0.0.1", rng.randrange(low - 10000, low)))
+                s.bind(("127.0.0.1", rng.randrange(low - SPAN, low)))
             except OSError:
                 continue
             return s.getsockname()[1]

@@ -210,14 +210,14 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
         raise Inf2ServeError(f"a TorchServe is already running from {run_dir}; "
                              f"stop it with `inf2serve stop --run-dir {run_dir}`")
     run_dir.mkdir(parents=True, exist_ok=True)
-    for attempt in range(1, START_ATTEMPTS + 1):
+    launch = (run_dir, model_store, specs, models, workers, env, python, ready_timeout_s,
+              extra_props)
+    for _ in range(START_ATTEMPTS - 1):
         try:
-            return _launch(run_dir, model_store, specs, models, workers, env, python,
-                           ready_timeout_s, extra_props)
+            return _launch(*launch)
         except PortTaken:
-            if attempt == START_ATTEMPTS:
-                raise
-    raise AssertionError("unreachable")
+            pass
+    return _launch(*launch)
 
 
 def _launch(run_dir: Path, model_store: Path, specs: list[str], models: list[str], workers: int,

@@ -80,7 +80,8 @@ class Engine:
         self._output: OutputThread | None = None
         self._stopping = False
         self._load: tuple[int, int] | None = None  # (waiting, busy) last reported
-        self._items: list[Item] = []  # the current step's output (engine thread)
+        #: the current step's output (engine thread)
+        self._items: list[Item] | Unrecorded = []
         #: the last decode's batch and slots, while decoding them again is the whole step
         self._batch: tuple[list[Sequence], list[int]] | None = None
         #: something since the last full step may change the batch: a finish, a failure,
@@ -183,7 +184,7 @@ class Engine:
         sequences, prefill newcomers, decode the running batch; then the load gauges, if
         they changed. With `batch` (`_unchanged_batch`), only its decode. Returns the
         step's output for `emit`."""
-        self._items: list[Item] | Unrecorded = []
+        self._items = []
         try:
             if batch is None:
                 self._step()
@@ -268,7 +269,7 @@ class Engine:
 
     def _quiet_decodes(self, batch: list[Sequence]) -> int:
         """How many more decodes of `batch` finish no sequence by length (max_new_tokens,
-        max_length): the k-th finishes one with k tokens left. None for a batch with a
+        max_length): the k-th finishes one with k tokens left. 0 for a batch with a
         request that asked for logprobs: the backend's are read right after each decode."""
         if any(s.sampling.logprobs is not None for s in batch):
             return 0

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def taken_port() -> Iterator[int]:
-    """A port some other process listens on."""
+    """A port another listener holds."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
