@@ -24,9 +24,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import re
+import select
 import sys
 import threading
 import time
@@ -98,28 +98,41 @@ def read_checkpoint_ids(checkpoint: Path) -> tuple[int, frozenset[int]]:
     return vocab, read_eos_ids(checkpoint, cfg)
 
 
-#: gives the CPU away without sleeping; os.sched_yield releases the GIL (Unix only)
-_sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
+def _poll() -> None:
+    """Releases the GIL for a moment and keeps the CPU: select() with nothing to wait on
+    and a zero timeout returns at once (~1.7 us on the bench host)."""
+    select.select((), (), (), 0)
 
 
 class StepTimer:
     """Ends a device call at its deadline, never before, on the calling thread.
 
-    It sleeps until `lead` before the deadline, then yields the CPU (os.sched_yield,
-    GIL released) until the deadline passes. `lead` is learned: the LEAD_QUANTILE of how
-    late the last LEAD_WINDOW sleeps woke (capped at LEAD_MAX_S), so the yielding stays
-    short and a late wake-up (the tail) is not made later. Measured on the 2-core bench
-    host, 5 ms steps: time.sleep ended a median 100-150 us late, this a median ~5 us,
-    for ~80 us more CPU per step (the yielding); the tail (a descheduled vCPU) remains."""
+    It sleeps until `lead` before the deadline, then polls the clock until the deadline
+    passes, releasing the GIL at each poll (`_poll`) but not the CPU. `lead` is learned:
+    the LEAD_QUANTILE of how late the last LEAD_WINDOW sleeps woke (capped at
+    LEAD_MAX_S), so the polling stays short and a late wake-up (the tail) is not made
+    later. Measured on the 2-core bench host, 5 ms steps: time.sleep ended a median
+    100-150 us late, this a median ~5 us, for ~80 us more CPU per step.
+
+    It used to yield the CPU instead (os.sched_yield). When another task is runnable,
+    that hands it the rest of a time slice -- up to a 4 ms tick there (HZ=250) -- and
+    at 32 served streams the yielding made half of the steps' lateness: mean 242-281
+    -> 128-147 us, p90 490-800 -> 125-134 us (3 paired rounds, 1,500 steps each). What
+    remains is the tail of the sleep itself (a busy or descheduled vCPU at wake-up).
+    Polling is held to a quarter of the wait (POLL_SHARE_MAX): a stretch that keeps the
+    CPU takes it from the host work the benchmark measures."""
 
     LEAD_WINDOW = 32
     LEAD_QUANTILE = 0.75
     LEAD_MAX_S = 0.001
+    #: the most of a wait spent polling: a 2 ms step (tests) on a busy host, where the lead
+    #: grows to its cap, polls 0.5 ms, not half the step, and a 1 ms step still sleeps
+    POLL_SHARE_MAX = 0.25
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep,
-                 yield_: Callable[[], None] = _sched_yield) -> None:
-        self._clock, self._sleep, self._yield = clock, sleep, yield_
+                 poll: Callable[[], None] = _poll) -> None:
+        self._clock, self._sleep, self._poll = clock, sleep, poll
         self.lead = 0.0
         self._late: list[float] = []
         self._thread: int | None = None  # the thread whose timer slack was tightened
@@ -128,13 +141,14 @@ class StepTimer:
         if self._sleep is time.sleep and self._thread != threading.get_ident():
             self._thread = threading.get_ident()  # the engine thread, once
             tighten_timer_slack()
-        wake = deadline - self.lead
-        left = wake - self._clock()
+        now = self._clock()
+        wake = deadline - min(self.lead, self.POLL_SHARE_MAX * (deadline - now))
+        left = wake - now
         if left > 0:
             self._sleep(left)
             self._learn(self._clock() - wake)
         while self._clock() < deadline:
-            self._yield()
+            self._poll()
 
     def _learn(self, late: float) -> None:
         self._late.append(late)

@@ -164,7 +164,7 @@ def test_sleep_ends_at_a_deadline_from_the_call_start(tiny_checkpoint, tokenizer
 
 
 def test_a_step_ends_at_its_deadline_when_sleeps_wake_late(tiny_checkpoint, tokenizer):
-    """Sleeps that wake 0.1 ms late: the timer learns to sleep that much less and yields
+    """Sleeps that wake 0.1 ms late: the timer learns to sleep that much less and polls
     the rest, so steps end on their deadline instead of 0.1 ms after it -- never before."""
     clock = FakeClock()
     late, asked = 0.0001, []
@@ -173,10 +173,10 @@ def test_a_step_ends_at_its_deadline_when_sleeps_wake_late(tiny_checkpoint, toke
         asked.append(seconds)
         clock.sleep(seconds + late)
 
-    def yield_() -> None:
+    def poll() -> None:
         clock.now += 0.000001
 
-    timer = StepTimer(clock.clock, sleep, yield_)
+    timer = StepTimer(clock.clock, sleep, poll)
     ends = []
     for _ in range(StepTimer.LEAD_WINDOW + 5):
         deadline = clock.now + 0.01
@@ -188,19 +188,39 @@ def test_a_step_ends_at_its_deadline_when_sleeps_wake_late(tiny_checkpoint, toke
     assert asked[-1] == pytest.approx(0.01 - late, abs=1e-9)
 
 
-def test_a_sleep_that_wakes_early_is_followed_by_yielding_to_the_deadline():
+def test_a_sleep_that_wakes_early_is_followed_by_polling_to_the_deadline():
     clock = FakeClock()
-    yields = []
+    polls = []
 
-    def yield_() -> None:
-        yields.append(clock.now)
+    def poll() -> None:
+        polls.append(clock.now)
         clock.now += 0.0001
 
-    timer = StepTimer(clock.clock, lambda s: clock.sleep(s - 0.0005), yield_)
+    timer = StepTimer(clock.clock, lambda s: clock.sleep(s - 0.0005), poll)
     deadline = clock.now + 0.01
     timer.wait_until(deadline)
-    assert clock.now >= deadline and len(yields) == 5
+    assert clock.now >= deadline and len(polls) == 5
     assert timer.lead == 0.0  # an early wake-up never makes it sleep longer
+
+
+def test_polling_takes_at_most_a_quarter_of_a_short_wait():
+    """Sleeps that wake 2 ms late (a busy host) push the lead to its 1 ms cap; a 2 ms wait
+    still sleeps 1.5 ms of it, so a short step keeps the CPU for 0.5 ms, not half of it."""
+    clock = FakeClock()
+    asked = []
+
+    def sleep(seconds: float) -> None:
+        asked.append(seconds)
+        clock.sleep(seconds + 0.002)
+
+    timer = StepTimer(clock.clock, sleep, lambda: None)
+    for _ in range(StepTimer.LEAD_WINDOW):
+        timer.wait_until(clock.now + 0.01)
+    assert timer.lead == StepTimer.LEAD_MAX_S
+    timer.wait_until(clock.now + 0.01)
+    assert asked[-1] == pytest.approx(0.01 - StepTimer.LEAD_MAX_S)
+    timer.wait_until(clock.now + 0.002)
+    assert asked[-1] == pytest.approx(0.002 * (1 - StepTimer.POLL_SHARE_MAX))
 
 
 def test_prefill_costs_the_bucket_of_its_longest_prompt(tiny_checkpoint, tokenizer):
