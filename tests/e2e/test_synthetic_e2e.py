@@ -65,7 +65,11 @@ def test_concurrent_streams_carry_the_synthetic_models_words(server, checkpoint)
     for prompt, r in zip(PROMPTS, results, strict=True):
         assert r.status == 200, r.body
         lines = r.ndjson()
-        assert len(lines) > NEW_TOKENS // 2  # streamed, not one answer at the end
+        # streamed, not one answer at the end: text in two chunks or more before the final
+        # line. Not one chunk per token: a worker whose event loop fell behind sends the
+        # text of several steps as one chunk (ChunkSender), so the count follows the load
+        # (stop 22's CI, 2 ms steps on 2 busy cores)
+        assert len(lines) >= 3 and all(line["text"] for line in lines[:-1])
         final = lines[-1]
         # no EOS is ever emitted, so every request runs to max_new_tokens
         assert (final["finish_reason"], final["completion_tokens"]) == ("length", NEW_TOKENS)
