@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from handlers.detokenize import IncrementalDetokenizer, StopMatcher, decoder
+from handlers.detokenize import IncrementalDetokenizer, StopMatcher, decoder, lossy_utf8
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +70,62 @@ def test_stop_matcher_holds_and_cuts():
     assert m.feed("a#b") == ("a#b", False)
     assert m.feed("#") == ("", False)
     assert m.flush() == "#"
+
+
+def _byte_ids(tokenizer, text: str) -> list[int]:
+    """The single-byte tokens of `text`'s UTF-8 bytes, in order."""
+    chars = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)[0][0]
+    return tokenizer.convert_tokens_to_ids(list(chars))
+
+
+def test_bytes_that_never_form_a_character_stream_one_token_late(tokenizer):
+    """A byte-level tokenizer's lone continuation bytes (the bench model's answer to one
+    prompt) go out a token late instead of waiting for a whole character; a character
+    split over tokens still goes out whole."""
+    lone = _byte_ids(tokenizer, "Ş")[1]  # 0x9E of C5 9E: never starts a character
+    euro = _byte_ids(tokenizer, "€")  # E2 82 AC
+    word = tokenizer(" the", add_special_tokens=False)["input_ids"]
+    ids = [lone] * 3 + euro + word
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push(i) for i in ids]
+    assert deltas[:6] == ["", "\ufffd", "\ufffd", "\ufffd", "", "\u20ac"]
+    assert "".join(deltas) + detok.flush() == tokenizer.decode(ids) == "\ufffd" * 3 + "€ the"
+
+
+def test_byte_level_text_is_final_but_for_one_character(tokenizer):
+    """Random runs of single bytes and words: what went out is always a prefix of the whole
+    answer's text, and at most its last character waits."""
+    import random
+
+    rng = random.Random(2)
+    words = tokenizer(" a word", add_special_tokens=False)["input_ids"]
+    pool = _byte_ids(tokenizer, "éž€😀Ş") + words
+    for _ in range(200):
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 24))]
+        final = tokenizer.decode(ids)
+        detok, out = IncrementalDetokenizer(tokenizer), ""
+        for k, i in enumerate(ids, 1):
+            out += detok.push(i)
+            assert final.startswith(out)
+            assert len(tokenizer.decode(ids[:k])) - len(out) <= 1
+        assert out + detok.flush() == final
+
+
+def test_sentencepiece_byte_fallback_holds_a_byte_run_until_it_ends():
+    """Llama 2's decoder turns a run of byte tokens into one U+FFFD per byte until the run
+    is valid UTF-8, so no part of it is final before it ends: TGI's rule stays."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581word": 257}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    assert not lossy_utf8(fast)
+    e_acute = [1 + 0xC3, 1 + 0xA9]
+    ids = [1 + 0x9E] * 3 + e_acute + [257]
+    detok = IncrementalDetokenizer(fast)
+    deltas = [detok.push(i) for i in ids]
+    assert deltas[:5] == [""] * 5 and deltas[5]
+    assert "".join(deltas) + detok.flush() == fast.decode(ids) == "\ufffd" * 5 + " word"
