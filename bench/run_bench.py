@@ -144,17 +144,17 @@ def paired_rounds(inproc: InProcess, url: str, token: str, prompts: list[str],
 
 
 def continuous_vs_micro(urls: dict[str, str], token: str, prompts: list[str],
-                        rounds: int) -> dict:
-    """Closed-loop tokens/s of the same work through continuous and micro: `rounds` + 2
-    runs per stream count, alternating, and a ratio for every run between two runs of the
-    other mode (`bracketed_ratios`)."""
+                        ratios: dict[int, int]) -> dict:
+    """Closed-loop tokens/s of the same work through continuous and micro: for each stream
+    count, ratios[streams] + 2 runs alternating, and a ratio for every run between two
+    runs of the other mode (`bracketed_ratios`)."""
     params = GenParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     runs: dict[str, dict] = {}
-    for streams in (8, 32):
+    for streams, count in ratios.items():
         work = (prompts * 2)[:3 * streams]
-        order = ["continuous", "micro"] * (rounds // 2 + 2)
+        order = ["continuous", "micro"] * (count // 2 + 2)
         per: dict = {"continuous": [], "micro": [], "sequence": []}
-        for label in order[:rounds + 2]:
+        for label in order[:count + 2]:
             res = run_scenario(urls[label], token, Scenario("concurrency", streams,
                                                             requests=3 * streams),
                                work, params)
@@ -170,10 +170,11 @@ def continuous_vs_micro(urls: dict[str, str], token: str, prompts: list[str],
 
 def bracketed_ratios(sequence: list[tuple[str, float]]) -> list[float]:
     """Continuous / micro for each run whose neighbours both ran the other mode: the middle
-    run against their mean, so a drift that is linear over the three runs cancels. Runs of
-    the same work minutes apart differed by up to 8% here (the torch decode step alone
-    drifted between 43 and 55 ms in-process, where a plain matmul of the same bytes held
-    within 1%), far more than continuous and micro differ at 8 streams."""
+    run against their mean, so a drift that is linear over the three runs cancels. Served
+    runs of the same work a minute apart differed by up to 15% here (in-process, the torch
+    decode step alone drifted between 43 and 55 ms from one batch to the next, where a
+    plain matmul of the same bytes held within 1%), far more than continuous and micro
+    differ at 8 streams."""
     out = []
     for (a, x), (mode, y), (b, z) in zip(sequence, sequence[1:], sequence[2:], strict=False):
         if a == b != mode:
@@ -284,7 +285,8 @@ def run_cpu(args: argparse.Namespace, checkpoint: Path, prompts: list[str], work
         print("paired rounds: continuous vs micro, closed loop ...", flush=True)
         urls = {label: f"{server.inference_url}/predictions/{name}"
                 for label, name in (("continuous", "bench-cont"), ("micro", "bench-micro"))}
-        vs_micro = continuous_vs_micro(urls, server.inference_token, prompts, args.pair_rounds)
+        vs_micro = continuous_vs_micro(urls, server.inference_token, prompts,
+                                       dict(zip((8, 32), args.pair_ratios, strict=True)))
         for label, name in (("continuous", "bench-cont"), ("micro", "bench-micro"),
                             ("reference", REFERENCE)):
             url = f"{server.inference_url}/predictions/{name}"
@@ -322,9 +324,11 @@ def main() -> int:
                     help="run one part; device-bound keeps the CPU part of an existing report")
     ap.add_argument("--device-rounds", type=int, default=7,
                     help="rounds of the device-bound scenario (median reported)")
-    ap.add_argument("--pair-rounds", type=int, default=13,
-                    help="continuous/micro ratios per stream count, from pair-rounds + 2 "
-                    "alternating closed-loop runs (one run's ratio spread 0.92-1.15 here)")
+    ap.add_argument("--pair-ratios", type=int, nargs=2, default=[29, 5], metavar=("AT8", "AT32"),
+                    help="continuous/micro ratios at 8 and 32 streams, each from that many + 2 "
+                    "alternating closed-loop runs (~11 and ~23 s a run here). 8 streams gets "
+                    "the runs: the two modes are near parity there (one ratio spread "
+                    "0.93-1.09 here), where 32 streams gave 1.15-1.54")
     args = ap.parse_args()
     work, out = Path(args.work), Path(args.out)
     checkpoint = work / "bench-llama"

@@ -41,7 +41,7 @@ def test_continuous_vs_micro_alternates_the_same_work(monkeypatch):
 
     monkeypatch.setattr(run_bench, "run_scenario", fake_run)
     out = run_bench.continuous_vs_micro({"continuous": "c", "micro": "m"}, "t",
-                                        [f"p{i}" for i in range(64)], rounds=3)
+                                        [f"p{i}" for i in range(64)], ratios={8: 3, 32: 3})
     for streams in (8, 32):
         per = out[str(streams)]
         runs = [c for c in calls if c[1] == streams]
