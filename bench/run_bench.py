@@ -9,13 +9,13 @@ One run, one machine, the same torch thread count everywhere:
      continuous` and with `batching: micro` (static batches), and the reference Inf2
      design (bench/reference_handler.py) -- each measured single-stream, with 8
      closed-loop streams, and with Poisson arrivals at 2 req/s;
-  3. paired rounds of closed-loop streams (8 and 32, 3 requests each) through ours,
-     continuous then micro or micro then continuous, ratios per round;
+  3. closed-loop streams (8 and 32, 3 requests each) through ours, continuous and micro
+     alternating run by run, each run against the mean of its two neighbours;
   4. the device-bound scenario (bench/device_bound.py): a synthetic device of 10 ms and
      5 ms decode steps served through TorchServe, host efficiency at 1-64 streams;
   5. a side-by-side report (bench.json, bench.md, PNG plots) plus SUMMARY.md with the
      issue's targets as measured ratios.
-Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 20 minutes on 2 cores);
+Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 30 minutes on 2 cores);
 `--only device-bound` (`make bench-device`, a few minutes) reruns just step 4 and replaces
 its part of an existing report.
 """
@@ -152,17 +152,17 @@ def continuous_vs_micro(urls: dict[str, str], token: str, prompts: list[str],
     runs: dict[str, dict] = {}
     for streams, count in ratios.items():
         work = (prompts * 2)[:3 * streams]
-        order = ["continuous", "micro"] * (count // 2 + 2)
-        per: dict = {"continuous": [], "micro": [], "sequence": []}
-        for label in order[:count + 2]:
+        sequence = []
+        for i in range(count + 2):
+            label = ("continuous", "micro")[i % 2]
             res = run_scenario(urls[label], token, Scenario("concurrency", streams,
                                                             requests=3 * streams),
                                work, params)
-            per[label].append(res.summary.output_tokens_per_s)
-            per["sequence"].append((label, res.summary.output_tokens_per_s))
-        per["ratios"] = bracketed_ratios(per["sequence"])
-        per["median_ratio"] = statistics.median(per["ratios"])
-        runs[str(streams)] = per
+            sequence.append((label, res.summary.output_tokens_per_s))
+        bracketed = bracketed_ratios(sequence)
+        runs[str(streams)] = per = {
+            **{mode: [r for m, r in sequence if m == mode] for mode in ("continuous", "micro")},
+            "sequence": sequence, "ratios": bracketed, "median_ratio": statistics.median(bracketed)}
         print(f"  {streams} streams: continuous / micro {per['median_ratio']:.3f} "
               f"(ratios {' '.join(f'{x:.2f}' for x in per['ratios'])})", flush=True)
     return runs
@@ -327,8 +327,8 @@ def main() -> int:
     ap.add_argument("--pair-ratios", type=int, nargs=2, default=[29, 5], metavar=("AT8", "AT32"),
                     help="continuous/micro ratios at 8 and 32 streams, each from that many + 2 "
                     "alternating closed-loop runs (~11 and ~23 s a run here). 8 streams gets "
-                    "the runs: the two modes are near parity there (one ratio spread "
-                    "0.93-1.09 here), where 32 streams gave 1.15-1.54")
+                    "the runs: the two modes are near parity there (one run's ratios spread "
+                    "0.80-1.23 here), where 32 streams gave 1.10-1.56")
     args = ap.parse_args()
     work, out = Path(args.work), Path(args.out)
     checkpoint = work / "bench-llama"
