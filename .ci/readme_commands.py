@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Run every command block of README.md, in order, in a fresh copy of the repository.
+"""Run every command block of README.md, then of the guides in docs/, in order, in a fresh
+copy of the repository.
 
-The README is the newcomer's script, so CI runs it as one: each ```bash block command by
-command (continuation lines joined, `cd` followed), each ```python block as a program, in a
-copy of the tracked and new files (what a fresh clone holds; `.venv` is shared, never
-reinstalled: `make` runs with VENV=<this venv> and its install stamp taken as up to date). A
-command passes when it exits 0; curl fails on an HTTP error status (a `.curlrc` with
---fail-with-body). Placeholders are filled from the running server of `.serve/` (one is
-started with `inf2serve serve` when a block needs one and none runs): `PORT` (the inference
-port), `TOKEN` and `$TOKEN` (the inference key).
+The README and its guides are the newcomer's script, so CI runs them as one: README.md first,
+then each docs/*.md in the order GUIDES gives (a guide may use what an earlier one left: a
+packaged archive, a prepared checkpoint, a running server); a guide GUIDES does not list stops
+the run before it starts. Each document starts in the repository's root; within it each
+```bash block runs command by command (continuation lines joined, `cd` followed), each
+```python block as a program, in a copy of the tracked and new files (what a fresh clone
+holds; `.venv` is shared, never reinstalled: `make` runs with VENV=<this venv> and its install
+stamp taken as up to date). A command passes when it exits 0; curl fails on an HTTP error
+status (a `.curlrc` with --fail-with-body). Placeholders are filled from the running server of
+`.serve/` (one is started with `inf2serve serve` when a block needs one and none runs): `PORT`
+(the inference port), `TOKEN` and `$TOKEN` (the inference key).
 
 HTML comments right before a block's fence direct the run, one per comment:
   <!-- ci: output -->           comment lines right after a command are its whole output
@@ -19,9 +23,9 @@ HTML comments right before a block's fence direct the run, one per comment:
   <!-- ci: skip REASON -->      do not run the block; the reason is printed
   <!-- ci: skip-cmd PREFIX -- REASON -->  do not run commands starting with PREFIX
 Blocks of any other language are listed as not run. Nothing is skipped without a line saying
-so. Exit status 1 if any command failed.
+so. Exit status 1 if any command failed, 2 if docs/ and GUIDES disagree.
 
-usage: python .ci/readme_commands.py [--readme README.md] [--keep] [--list] [-v]
+usage: python .ci/readme_commands.py [--readme README.md] [--docs docs] [--keep] [--list] [-v]
 """
 
 from __future__ import annotations
@@ -45,6 +49,24 @@ FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
 PLACEHOLDER = re.compile(r"(?<![$\w])(PORT|TOKEN)\b")
 COMMAND_TIMEOUT_S = 600
 SERVER_MODEL = "tiny-llama"  # the quick start's model, served when a block needs a server
+# The guides of docs/, in the order their blocks run after README.md's. Their commands build on
+# each other as the README's sections did when they were one file: packaging prepares the
+# checkpoint and archives that Inferentia2's commands compile, OpenAI's and benchmarking's
+# blocks use the quick start's model. A new guide goes where what it needs exists.
+GUIDES = (
+    "request-api.md",
+    "configuration.md",
+    "packaging-and-deploying.md",
+    "inferentia2.md",
+    "openai.md",
+    "benchmarking.md",
+    "development.md",
+    "design.md",
+)
+
+
+class GuideOrderError(ValueError):
+    """docs/ holds a guide GUIDES does not list, or GUIDES lists one docs/ lacks."""
 
 
 @dataclass
@@ -60,6 +82,7 @@ class Block:
     lang: str
     body: list[str]
     directives: list[str]
+    doc: str = "README.md"  # the document, as the run names it
 
     def has(self, name: str) -> bool:
         return any(d == name or d.startswith(name + " ") for d in self.directives)
@@ -68,7 +91,29 @@ class Block:
         return [d[len(name):].strip() for d in self.directives if d.startswith(name + " ")]
 
 
-def parse_blocks(text: str) -> list[Block]:
+def documents(readme: Path, docs: Path, order: tuple[str, ...] = GUIDES) -> list[Path]:
+    """README.md, then every guide of `docs` in `order`; a guide missing from `order`, or one
+    `order` names that `docs` lacks, is a GuideOrderError naming it."""
+    found = sorted(p.name for p in docs.glob("*.md")) if docs.is_dir() else []
+    problems = [f"{docs.name}/{name} is not in GUIDES of .ci/readme_commands.py: add it where "
+                f"its commands can run (after the guides whose state they use)"
+                for name in found if name not in order]
+    problems += [f"GUIDES of .ci/readme_commands.py lists {docs.name}/{name}, which does not "
+                 f"exist" for name in order if name not in found]
+    if problems:
+        raise GuideOrderError("; ".join(problems))
+    return [readme, *(docs / name for name in order)]
+
+
+def doc_name(path: Path) -> str:
+    """A document's name in the run's output: its path in the repository, where it is in it."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def parse_blocks(text: str, doc: str = "README.md") -> list[Block]:
     """Every fenced block, with the `ci:` directives in the comments right above its fence."""
     blocks, pending, lines = [], [], text.splitlines()
     i = 0
@@ -82,7 +127,7 @@ def parse_blocks(text: str) -> list[Block]:
             while i < len(lines) and lines[i].strip() != "```":
                 body.append(lines[i])
                 i += 1
-            blocks.append(Block(start, m["lang"] or "text", body, pending))
+            blocks.append(Block(start, m["lang"] or "text", body, pending, doc))
             pending = []
         elif line:
             pending = []
@@ -164,6 +209,10 @@ class Runner:
             COLUMNS="100")
         self.env.pop("VIRTUAL_ENV", None)
 
+    def start_document(self) -> None:
+        """A document's commands start in the repository's root, as its reader's do."""
+        self.cwd = self.root
+
     def _env(self, block: Block) -> dict[str, str]:
         env = dict(self.env)
         if block.has("neuron-fake"):
@@ -207,7 +256,7 @@ class Runner:
         return PLACEHOLDER.sub(lambda m: port if m[1] == "PORT" else token_text, text)
 
     def run_block(self, block: Block) -> None:
-        where = f"README.md:{block.line}"
+        where = f"{block.doc}:{block.line}"
         if block.has("skip"):
             reason = " ".join(block.args("skip")) or "(no reason given)"
             self.skipped.append(f"{where} ({block.lang} block): {reason}")
@@ -221,7 +270,7 @@ class Runner:
         env = self._env(block)
         if block.lang == "python":
             code = self._sub(block, "\n".join(block.body))
-            script = self.scratch / f"readme_{block.line}.py"
+            script = self.scratch / f"{Path(block.doc).stem}_{block.line}.py"
             script.write_text(self.fill(code, "python", env))
             start = time.monotonic()
             result = self._sh(f"python {script}", env)
@@ -229,7 +278,7 @@ class Runner:
             return
         skips = [a.split(" -- ", 1) for a in block.args("skip-cmd")]
         for cmd in commands(block):
-            here = f"README.md:{cmd.line}"
+            here = f"{block.doc}:{cmd.line}"
             first = cmd.text.splitlines()[0]
             reason = next((why.strip() for prefix, why in skips
                            if re.match(re.escape(prefix.strip()) + r"(\s|$)", cmd.text)), None)
@@ -295,19 +344,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--readme", type=Path, default=REPO / "README.md")
+    ap.add_argument("--docs", type=Path, default=REPO / "docs",
+                    help="the guides' folder; each *.md in it must be in GUIDES")
     ap.add_argument("--venv", type=Path, default=Path(sys.prefix),
                     help="the built virtualenv (default: this interpreter's)")
     ap.add_argument("--keep", action="store_true", help="keep the copy (its path is printed)")
     ap.add_argument("--list", action="store_true", help="list blocks and commands, run nothing")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every command's output")
-    args = ap.parse_args()
-    blocks = parse_blocks(args.readme.read_text("utf-8"))
+    args = ap.parse_args(argv)
+    try:
+        docs = documents(args.readme, args.docs)
+    except GuideOrderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    parsed = [parse_blocks(d.read_text("utf-8"), doc_name(d)) for d in docs]
     if args.list:
-        for b in blocks:
-            print(f"README.md:{b.line} {b.lang} {b.directives}")
+        for b in (b for blocks in parsed for b in blocks):
+            print(f"{b.doc}:{b.line} {b.lang} {b.directives}")
             for c in commands(b) if b.lang in SHELL_LANGS else []:
                 print(f"  {c.line}: {c.text.splitlines()[0]}" + "".join(
                     f"\n      # {e}" for e in c.expected))
@@ -320,16 +376,20 @@ def main() -> int:
     fresh_copy(root)
     runner = Runner(root, scratch, args.venv.absolute())
     runner.verbose = args.verbose
-    print(f"running the README's commands in {root} (venv {args.venv})")
+    print(f"running the commands of {', '.join(doc_name(d) for d in docs)} in {root} "
+          f"(venv {args.venv})")
     try:
-        for block in blocks:
-            runner.run_block(block)
+        for blocks in parsed:
+            runner.start_document()
+            for block in blocks:
+                runner.run_block(block)
     finally:
         runner.cleanup()
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
-    print(f"\nREADME commands: {runner.ran} run, {len(runner.failures)} failed, "
-          f"{len(runner.skipped)} not run, in {time.monotonic() - start:.0f}s")
+    print(f"\nREADME and guide commands ({len(docs)} documents): {runner.ran} run, "
+          f"{len(runner.failures)} failed, {len(runner.skipped)} not run, "
+          f"in {time.monotonic() - start:.0f}s")
     for s in runner.skipped:
         print(f"  not run: {s}")
     for f in runner.failures:

@@ -265,7 +265,7 @@ def test_checkpoint_config_json_is_used(tmp_path: Path, capsys) -> None:
 
 def test_the_readme_example_output_is_what_validate_prints(capsys, monkeypatch) -> None:
     monkeypatch.chdir(CONFIGS.parent)  # the README's paths are relative to the repository
-    readme = Path("README.md").read_text(encoding="utf-8")
+    readme = Path("docs/inferentia2.md").read_text(encoding="utf-8")
     block = readme.split("Check a config before you deploy", 1)[1].split("```bash\n", 1)[1]
     runs = block.split("```", 1)[0].split("inf2serve ")[1:]
     assert len(runs) == 2
