@@ -129,3 +129,92 @@ def test_sentencepiece_byte_fallback_holds_a_byte_run_until_it_ends():
     deltas = [detok.push(i) for i in ids]
     assert deltas[:5] == [""] * 5 and deltas[5]
     assert "".join(deltas) + detok.flush() == fast.decode(ids) == "\ufffd" * 5 + " word"
+
+
+class _PrefixStopMatcher:
+    """The matcher before the automaton (kept here as the reference): every prefix of every
+    stop string tried at each feed."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops, self._held = stops, ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[:min(hits)], True
+        hold = max((k for s in self._stops for k in range(1, len(s)) if buf.endswith(s[:k])),
+                   default=0)
+        self._held = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def _run(matcher, chunks: list[str]) -> tuple[list[tuple[str, bool]], str]:
+    out = []
+    for chunk in chunks:
+        out.append(matcher.feed(chunk))
+        if out[-1][1]:
+            break
+    return out, matcher.flush()
+
+
+def test_stop_matcher_equals_the_prefix_reference_on_random_streams():
+    """Same output, feed by feed, as trying every prefix (the old rule), on small alphabets
+    where stops overlap, nest and recur: 3,000 random streams."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        alphabet = "ab" if rng.random() < 0.5 else "abc"
+        stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+                       for _ in range(rng.randint(1, 4))})
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+        chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert _run(StopMatcher(stops), chunks) == _run(_PrefixStopMatcher(stops), chunks), (
+            stops, chunks)
+
+
+@pytest.mark.parametrize("stops, chunks, out", [
+    (("abab",), list("xabab"), ["x", "", "", "", ""]),  # found across 1-char feeds
+    (("ab", "abc"), ["xab"], ["x"]),  # a stop that is a prefix of another
+    (("abcd", "bc"), ["abcd"], [""]),  # the earliest start wins, not the earliest end
+    (("abcd", "bc"), ["ab", "c"], ["", "a"]),  # ...among what has arrived
+    (("🤖!",), ["x🤖", "", "y🤖", "!z"], ["x", "", "🤖y", ""]),  # whole characters
+    (("stop",), ["st", "", "ops"], ["", "", ""]),  # empty feeds keep the hold
+])
+def test_stop_matcher_edges(stops, chunks, out):
+    m = StopMatcher(stops)
+    fed = [m.feed(c) for c in chunks]
+    assert [text for text, _ in fed] == out
+    assert [hit for _, hit in fed].count(True) == (stops != ("stop",) or 1)
+
+
+def test_stop_matcher_work_does_not_grow_with_stop_length():
+    """Per feed, the automaton steps once per new character: a stop set of 8 x 256
+    characters costs the same steps as one short stop (bounded by the new text)."""
+    from handlers import detokenize
+
+    steps = []
+    real = detokenize._StopAutomaton.step
+
+    def counted(self, state, char):
+        steps.append(char)
+        return real(self, state, char)
+
+    long = tuple(("x" * 255) + str(i) for i in range(8))
+    detokenize._StopAutomaton.step = counted
+    try:
+        m = StopMatcher(long)
+        for _ in range(100):
+            m.feed("xxxx")
+    finally:
+        detokenize._StopAutomaton.step = real
+    assert len(steps) == 400
