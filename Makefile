@@ -42,8 +42,21 @@ NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
 PYTEST_WORKERS ?= 3
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: install overlays demo stop test test-main test-neuron-stack test-readme lint bench \
-	bench-device clean
+# The runtime under a real CPython 3.10 (what Ubuntu 22.04 Inf2 hosts run): its modules
+# import and the engine-process failure path answers, in a venv of the runtime's
+# pure-Python dependencies (no torch: PyPI's Linux wheels are CUDA builds of several GB).
+PY310 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python3.10) \
+	$(shell command -v python3.10 2>/dev/null))
+VENV310 := .venv310
+STAMP310 := $(VENV310)/.installed
+PY310_DEPS := pyyaml numpy safetensors httpx aiohttp rich psutil pytest \
+	transformers==4.57.6 tokenizers==0.22.2 huggingface_hub==0.36.0
+PY310_TESTS := tests/unit/test_py310_runtime.py tests/unit/test_scheduler.py \
+	tests/unit/test_engine.py tests/unit/test_engine_client.py tests/unit/test_request.py \
+	tests/unit/test_capabilities.py tests/unit/test_engine_messages.py
+
+.PHONY: install overlays demo stop test test-main test-neuron-stack test-readme test-py310 lint \
+	bench bench-device clean
 
 install: $(STAMP)
 
@@ -85,7 +98,7 @@ demo: install
 stop:
 	@test -x $(CLI) && $(CLI) stop --run-dir $(RUN_DIR) || echo "nothing to stop"
 
-test: test-main test-neuron-stack test-readme
+test: test-main test-neuron-stack test-py310 test-readme
 
 # the whole suite on the tested pins; checkpoint and archive checks also load under TF4_ALL
 test-main: install overlays
@@ -98,6 +111,17 @@ test-neuron-stack: install overlays
 	  && PYTHONPATH=$$dir $(PY) -m pytest -q $(PYTEST_PARALLEL) $(NEURON_STACK_TESTS) \
 	  || exit 1; \
 	done
+
+$(STAMP310): pyproject.toml
+	@test -n "$(PY310)" || { echo "no CPython 3.10 found: install one (pyenv install 3.10, or \
+	apt-get install python3.10-venv) or pass PY310=/path/to/python3.10"; exit 1; }
+	@rm -rf $(VENV310) && $(PY310) -m venv $(VENV310)
+	$(VENV310)/bin/python -m pip install -q --no-deps -e .
+	$(VENV310)/bin/python -m pip install -q $(PY310_DEPS)
+	@touch $@
+
+test-py310: $(STAMP310)
+	$(VENV310)/bin/python -m pytest -q -p no:cacheprovider $(PY310_TESTS)
 
 # every command block of README.md, in order, in a fresh copy of the repository (this venv)
 test-readme: install

@@ -47,6 +47,8 @@ from archive_tools.fileops import (
     remove_path,
     staged,
 )
+from handlers.backends import capabilities_for
+from handlers.backends.capabilities import check_defaults
 from handlers.config import ModelConfig, load_config
 from handlers.errors import Inf2ServeError
 
@@ -217,7 +219,7 @@ def check_loads(checkpoint: Path, flag: str) -> Any:
     serving image's (a Neuron SDK's 4.x); the files are the same."""
     from transformers import AutoConfig
 
-    from handlers.service import load_tokenizer
+    from handlers.engine_start import load_tokenizer
 
     try:
         AutoConfig.from_pretrained(checkpoint.resolve())
@@ -354,6 +356,7 @@ def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_d
                  requirements_file: Path | None = None, runtime: str = "python") -> Plan:
     """Validate every input and list what goes where; writes nothing."""
     config = load_config(config_path)  # ConfigError names the closest valid key
+    check_defaults(config.handler, capabilities_for(config.handler))
     if fmt not in FORMATS:
         raise Inf2ServeError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     if not NAME_RE.match(name):

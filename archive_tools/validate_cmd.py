@@ -33,6 +33,8 @@ from archive_tools.neuron_sizing import (
     token_buckets,
     tp_degrees_for,
 )
+from handlers.backends import capabilities_for
+from handlers.backends.capabilities import check_defaults
 from handlers.config import ModelConfig, load_config
 from handlers.errors import ConfigError
 from neuron_cache.key import context_buckets
@@ -356,6 +358,7 @@ def validate_nxdi(cfg: ModelConfig, arch: Arch | None, instance: str | None,
 
 def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
+    check_defaults(cfg.handler, capabilities_for(cfg.handler))
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     arch = resolve_arch(cfg, checkpoint, Path(args.model_json) if args.model_json else None)
     label = cfg.handler.neuron.architecture or "the model"

@@ -10,6 +10,14 @@ step carried a token for every stream, with the device never idle. Each round ru
 (step, streams) cell once, interleaved so machine drift hits all cells alike; a cell's
 figure is the median over rounds. Prefill costs no device time here, so the limit is
 exactly streams / step. Never a hardware result.
+
+Host sampling cells (issue 25, item 4): a Neuron device with host sampling hands back
+logits [rows, vocab] every step, and the host picks each row's token before the next
+device call can start. `handler.synthetic.host_sampling_vocab` makes the synthetic
+device do the same (handlers/backends/synthetic_backend.py, HostSampling): Llama-3's
+128,256-token vocabulary, 32 streams, 10 ms steps, greedy requests and sampled ones
+(temperature 0.8, top_p 0.95, no seed: a seeded row samples on its own, off the batched
+path). Same host-efficiency formula, goal HOST_SAMPLING_TARGET.
 """
 
 from __future__ import annotations
@@ -37,10 +45,47 @@ NEW_TOKENS = 128
 BATCH = 64
 REQUESTS_PER_STREAM = 3
 TARGETS = {(10.0, 1): 0.97, (10.0, 8): 0.97, (10.0, 32): 0.97, (5.0, 32): 0.93}  # issue 13
+#: the host-sampling cells: one step and stream count, a Llama-3 vocabulary, two kinds of
+#: request (issue 25, item 4)
+HOST_SAMPLING_VOCAB = 128256
+HOST_SAMPLING_STEP_MS = 10.0
+HOST_SAMPLING_STREAMS = 32
+HOST_SAMPLING_TARGET = 0.95
+CELLS = ("all", "base", "host-sampling")
+
+
+@dataclass(frozen=True)
+class UnseededParams(GenParams):
+    """GenParams sends a seed with every request (seed + i). A seeded row is sampled on its
+    own, so the batched host sampler, which serves unseeded sampling, is measured without
+    one; and top_p, which GenParams lacks."""
+
+    top_p: float = 1.0
+
+    def body(self, prompt: str, index: int) -> dict:
+        body = super().body(prompt, index)
+        del body["seed"]
+        return {**body, "top_p": self.top_p}
+
+
+#: the host-sampling cells' requests, by variant
+HOST_SAMPLING_PARAMS: dict[str, GenParams] = {
+    "greedy": GenParams(max_new_tokens=NEW_TOKENS),
+    "sampled": UnseededParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.95),
+}
 
 
 def label(step_ms: float) -> str:
     return f"device-{step_ms:g}ms"
+
+
+def host_sampling_model() -> str:
+    return f"{label(HOST_SAMPLING_STEP_MS)}-hs{HOST_SAMPLING_VOCAB}"
+
+
+def host_sampling_label(variant: str) -> str:
+    """A host-sampling cell's results in bench.json (one model, two kinds of request)."""
+    return f"{host_sampling_model()}-{variant}"
 
 
 def synthetic_checkpoint(source: Path, dest: Path) -> Path:
@@ -52,12 +97,16 @@ def synthetic_checkpoint(source: Path, dest: Path) -> Path:
     return dest
 
 
-def archive(step_ms: float, threads: int) -> ArchiveSpec:
-    return ArchiveSpec(label(step_ms), fmt="no-archive", handler={
+def archive(step_ms: float, threads: int, host_sampling_vocab: int = 0) -> ArchiveSpec:
+    synthetic = {"decode_step_ms": step_ms, "decode_ms_per_row": 0, "prefill_ms": [0]}
+    name = label(step_ms)
+    if host_sampling_vocab:
+        synthetic["host_sampling_vocab"] = host_sampling_vocab
+        name = host_sampling_model()
+    return ArchiveSpec(name, fmt="no-archive", handler={
         "backend": "synthetic", "batching": "continuous", "batch_size": BATCH,
         "max_length": 1024, "max_new_tokens_limit": 512, "max_queue": 256, "threads": threads,
-        "warmup": False,
-        "synthetic": {"decode_step_ms": step_ms, "decode_ms_per_row": 0, "prefill_ms": [0]}})
+        "warmup": False, "synthetic": synthetic})
 
 
 def step_lateness(target_s: float = 0.005, n: int = 200) -> dict:
@@ -104,6 +153,9 @@ class DeviceBound:
     #: label -> the median round's result of each cell, for bench.json / bench.md
     results: dict[str, list[ScenarioResult]] = field(default_factory=dict)
     lateness: dict = field(default_factory=dict)
+    #: host-sampling variant -> one efficiency, and tokens/s, per round (empty: not run)
+    hs_efficiency: dict[str, list[float]] = field(default_factory=dict)
+    hs_tokens_per_s: dict[str, list[float]] = field(default_factory=dict)
     warmup: Warmup | None = None
     #: (seconds the rounds took, CPU seconds stolen by the hypervisor meanwhile)
     stolen: tuple[float, float] | None = None
@@ -111,42 +163,72 @@ class DeviceBound:
     def median(self, step: float, streams: int) -> float:
         return statistics.median(self.efficiency[step, streams])
 
+    def hs_median(self, variant: str) -> float:
+        return statistics.median(self.hs_efficiency[variant])
+
     def meta(self) -> dict:
-        return {"model": f"synthetic, batch {BATCH}, fixed step, prefill 0 ms",
-                "new_tokens": NEW_TOKENS, "requests_per_stream": REQUESTS_PER_STREAM,
-                "rounds": self.rounds, "step_lateness": self.lateness,
-                "steal": self.stolen and {"wall_s": round(self.stolen[0], 1),
-                                          "stolen_cpu_s": round(self.stolen[1], 2)},
-                "warmup": self.warmup and {
-                    "requests": self.warmup.requests, "settled": self.warmup.settled,
-                    "compiler_us_per_request": [round(u) for u in self.warmup.compiler_us]},
-                "host_efficiency_median": {
-                    f"{s:g}ms": {str(c): round(self.median(s, c), 3) for c in self.streams}
-                    for s in self.steps_ms},
-                "host_efficiency_rounds": {
-                    f"{s:g}ms": {str(c): [round(e, 3) for e in self.efficiency[s, c]]
-                                 for c in self.streams} for s in self.steps_ms}}
+        out = {"model": f"synthetic, batch {BATCH}, fixed step, prefill 0 ms",
+               "new_tokens": NEW_TOKENS, "requests_per_stream": REQUESTS_PER_STREAM,
+               "rounds": self.rounds, "step_lateness": self.lateness,
+               "steal": self.stolen and {"wall_s": round(self.stolen[0], 1),
+                                         "stolen_cpu_s": round(self.stolen[1], 2)},
+               "warmup": self.warmup and {
+                   "requests": self.warmup.requests, "settled": self.warmup.settled,
+                   "compiler_us_per_request": [round(u) for u in self.warmup.compiler_us]},
+               "host_efficiency_median": {
+                   f"{s:g}ms": {str(c): round(self.median(s, c), 3) for c in self.streams}
+                   for s in self.steps_ms},
+               "host_efficiency_rounds": {
+                   f"{s:g}ms": {str(c): [round(e, 3) for e in self.efficiency[s, c]]
+                                for c in self.streams} for s in self.steps_ms}}
+        if self.hs_efficiency:
+            out["host_sampling"] = {
+                "vocab": HOST_SAMPLING_VOCAB, "step_ms": HOST_SAMPLING_STEP_MS,
+                "streams": HOST_SAMPLING_STREAMS, "target": HOST_SAMPLING_TARGET,
+                "requests": {v: {k: x for k, x in p.body("", 0).items() if k != "prompt"}
+                             for v, p in HOST_SAMPLING_PARAMS.items()},
+                "host_efficiency_median": {v: round(self.hs_median(v), 3)
+                                           for v in self.hs_efficiency},
+                "host_efficiency_rounds": {v: [round(e, 3) for e in effs]
+                                           for v, effs in self.hs_efficiency.items()},
+                "tokens_per_s_median": {v: round(statistics.median(t), 1)
+                                        for v, t in self.hs_tokens_per_s.items()}}
+        return out
 
 
 def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: int = 3,
-        steps_ms: tuple[float, ...] = STEPS_MS, streams: tuple[int, ...] = STREAMS
-        ) -> DeviceBound:
+        steps_ms: tuple[float, ...] = STEPS_MS, streams: tuple[int, ...] = STREAMS,
+        cells: str = "all") -> DeviceBound:
+    """Every (step, streams) cell ("base") and the host-sampling cells, or one of the two
+    (`cells`, one of CELLS), each once per round. "host-sampling" keeps one base cell, the
+    same step and streams without host sampling, as the same rounds' reference: figures
+    from runs minutes apart differ by more than host sampling costs on a shared VM."""
+    if cells not in CELLS:
+        raise ValueError(f"cells {cells!r}; expected one of {CELLS}")
+    if cells == "host-sampling":
+        steps_ms, streams = (HOST_SAMPLING_STEP_MS,), (HOST_SAMPLING_STREAMS,)
+    variants = tuple(HOST_SAMPLING_PARAMS) if cells != "base" else ()
     out = DeviceBound(steps_ms, streams, rounds, lateness=step_lateness())
     print(f"device-bound: lateness of 5 ms steps {out.lateness}", flush=True)
     ckpt = synthetic_checkpoint(checkpoint, work / "synthetic-ckpt")
     specs = [archive(s, threads) for s in steps_ms]
+    if variants:
+        specs.append(archive(HOST_SAMPLING_STEP_MS, threads, HOST_SAMPLING_VOCAB))
     store = build_store(work / "device", ckpt, specs)
     params = GenParams(max_new_tokens=NEW_TOKENS)  # the synthetic model never emits EOS
-    runs: dict[tuple[float, int], list[ScenarioResult]] = {}
+    runs: dict[tuple[float, int] | str, list[ScenarioResult]] = {}
     with running_server(store, work / "device-run", [s.name for s in specs]) as server:
         urls = {s: f"{server.inference_url}/predictions/{label(s)}" for s in steps_ms}
-        out.warmup = settle_jit(urls[steps_ms[0]], server.inference_token, server.pid, prompts)
+        hs_url = f"{server.inference_url}/predictions/{host_sampling_model()}"
+        out.warmup = settle_jit(urls[steps_ms[0]] if steps_ms else hs_url,
+                                server.inference_token, server.pid, prompts)
         print(f"device-bound: frontend JIT warm-up, {out.warmup.requests} requests, compiler "
               f"us/request by round {[round(u) for u in out.warmup.compiler_us]}", flush=True)
-        for s in steps_ms:  # then each cell's own path once
-            run_scenario(urls[s], server.inference_token,
-                         Scenario("concurrency", max(streams), requests=3 * max(streams)),
-                         prompts, params)
+        warm = [(urls[s], max(streams), params) for s in steps_ms]
+        warm += [(hs_url, HOST_SAMPLING_STREAMS, HOST_SAMPLING_PARAMS[v]) for v in variants]
+        for url, c, p in warm:  # then each cell's own path once
+            run_scenario(url, server.inference_token,
+                         Scenario("concurrency", c, requests=3 * c), prompts, p)
         started, stolen = time.perf_counter(), steal_s()
         for r in range(rounds):
             for s in steps_ms:
@@ -162,20 +244,60 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
                     print(f"  round {r + 1} step {s:g} ms streams {c:2d}: {tps:7.1f} tok/s "
                           f"efficiency {eff:.3f} ok={res.summary.ok}/{res.summary.requests}",
                           flush=True)
+            # alternate the variants' order, so a drift within a round hits both alike
+            for v in variants if r % 2 == 0 else variants[::-1]:
+                c = HOST_SAMPLING_STREAMS
+                res = run_scenario(hs_url, server.inference_token,
+                                   Scenario("concurrency", c, requests=c * REQUESTS_PER_STREAM),
+                                   prompts, HOST_SAMPLING_PARAMS[v], label=host_sampling_label(v))
+                tps = res.summary.output_tokens_per_s
+                eff = host_efficiency(tps, c, HOST_SAMPLING_STEP_MS)
+                out.hs_efficiency.setdefault(v, []).append(eff)
+                out.hs_tokens_per_s.setdefault(v, []).append(tps)
+                runs.setdefault(v, []).append(res)
+                print(f"  round {r + 1} host sampling ({v}, vocab {HOST_SAMPLING_VOCAB}) step "
+                      f"{HOST_SAMPLING_STEP_MS:g} ms streams {c}: {tps:7.1f} tok/s efficiency "
+                      f"{eff:.3f} ok={res.summary.ok}/{res.summary.requests}", flush=True)
         if stolen is not None:
             out.stolen = (time.perf_counter() - started, steal_s() - stolen)
-    for (s, c), cell in runs.items():  # the round whose efficiency is the median
-        effs = out.efficiency[s, c]
+    for key, cell in runs.items():  # the round whose efficiency is the median
+        effs = out.hs_efficiency[key] if isinstance(key, str) else out.efficiency[key]
         mid = sorted(range(len(effs)), key=effs.__getitem__)[len(effs) // 2]
-        out.results.setdefault(label(s), []).append(cell[mid])
+        name = host_sampling_label(key) if isinstance(key, str) else label(key[0])
+        out.results.setdefault(name, []).append(cell[mid])
     return out
 
 
 def summary_section(dev: DeviceBound) -> str:
-    """SUMMARY.md's device-bound section (starts with MARKER)."""
+    """SUMMARY.md's device-bound section (starts with MARKER): the (step, streams) table
+    and the host-sampling cells, whichever ran."""
+    lines = [MARKER, "", f"{time.strftime('%Y-%m-%d %H:%M')}, code at {_commit()}.", ""]
+    if dev.steps_ms:
+        lines += _base_table(dev)
+    if dev.hs_efficiency:
+        lines += _host_sampling_table(dev)
+    o = dev.lateness
+    d, t = o["device_step"], o["time_sleep"]
+    lines += [f"A {o['target_ms']:g} ms device step ends late by {d['median_us']} us "
+              f"(median; mean {d['mean_us']}, p99 {d['p99_us']}, max {d['max_us']} us over "
+              f"{o['samples']}), measured in the bench process before the server started; a "
+              f"plain `time.sleep` returned late by {t['median_us']} us (median; mean "
+              f"{t['mean_us']} us). The device ends a step at its deadline, never before "
+              "(handlers/backends/synthetic_backend.py, StepTimer); what lateness remains "
+              "counts against host efficiency."]
+    if dev.stolen:
+        wall, stolen = dev.stolen
+        lines += ["", f"While the rounds ran ({wall:.0f} s), the hypervisor gave {stolen:.1f} s "
+                  f"of this VM's {os.cpu_count()} CPUs to other guests (/proc/stat steal; "
+                  f"{stolen / (wall * (os.cpu_count() or 1)):.1%} of their time): a stalled "
+                  "engine thread counts as host loss too."]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _base_table(dev: DeviceBound) -> list[str]:
     head = "| step | " + " | ".join(f"{c} stream{'s' * (c > 1)}" for c in dev.streams) + " |"
-    lines = [MARKER, "", f"{time.strftime('%Y-%m-%d %H:%M')}, code at {_commit()}.", "",
-             f"A synthetic device (`handler.backend: synthetic`: no model compute; each decode "
+    lines = [f"A synthetic device (`handler.backend: synthetic`: no model compute; each decode "
              f"call sleeps a fixed step, prefill costs 0 ms) served through a real TorchServe "
              f"with batch_size {BATCH}, {NEW_TOKENS} new tokens per request, closed-loop "
              f"streams of {REQUESTS_PER_STREAM} requests each. Host efficiency = served output "
@@ -193,23 +315,36 @@ def summary_section(dev: DeviceBound) -> str:
                                             f"{'yes' if dev.median(s, c) >= goal else 'NO'}")
             cells.append(f"**{dev.median(s, c):.3f}** ({tps:.0f} tok/s{mark})")
         lines.append(f"| {s:g} ms | " + " | ".join(cells) + " |")
-    o = dev.lateness
-    d, t = o["device_step"], o["time_sleep"]
-    lines += ["", f"A {o['target_ms']:g} ms device step ends late by {d['median_us']} us "
-              f"(median; mean {d['mean_us']}, p99 {d['p99_us']}, max {d['max_us']} us over "
-              f"{o['samples']}), measured in the bench process before the server started; a "
-              f"plain `time.sleep` returned late by {t['median_us']} us (median; mean "
-              f"{t['mean_us']} us). The device ends a step at its deadline, never before "
-              "(handlers/backends/synthetic_backend.py, StepTimer); what lateness remains "
-              "counts against host efficiency."]
-    if dev.stolen:
-        wall, stolen = dev.stolen
-        lines += ["", f"While the rounds ran ({wall:.0f} s), the hypervisor gave {stolen:.1f} s "
-                  f"of this VM's {os.cpu_count()} CPUs to other guests (/proc/stat steal; "
-                  f"{stolen / (wall * (os.cpu_count() or 1)):.1%} of their time): a stalled "
-                  "engine thread counts as host loss too."]
-    lines.append("")
-    return "\n".join(lines)
+    return lines + [""]
+
+
+def _host_sampling_table(dev: DeviceBound) -> list[str]:
+    goal, step = HOST_SAMPLING_TARGET, HOST_SAMPLING_STEP_MS
+    reference = dev.efficiency.get((step, HOST_SAMPLING_STREAMS))
+    cells = []
+    for v in dev.hs_efficiency:
+        eff, tps = dev.hs_median(v), statistics.median(dev.hs_tokens_per_s[v])
+        more = ""
+        if reference:  # a step's time is step / efficiency
+            more = (f"; +{step / eff - step / statistics.median(reference):.2f} ms per step "
+                    "over the same rounds' reference")
+        cells.append(f"**{eff:.3f}** ({tps:.0f} tok/s, goal >= {goal}: "
+                     f"{'yes' if eff >= goal else 'NO'}{more})")
+    sampled = HOST_SAMPLING_PARAMS["sampled"]
+    return [f"Host sampling (issue 25, item 4): the same device, but every call returns "
+            f"float32 logits [rows, {HOST_SAMPLING_VOCAB:,}] (Llama-3's vocabulary) that the "
+            "host samples after the step, before the next one can start, with the batched "
+            "sampler the Neuron backends use (`handler.synthetic.host_sampling_vocab`; "
+            f"handlers/sampling.py). {HOST_SAMPLING_STREAMS} streams, "
+            f"{HOST_SAMPLING_STEP_MS:g} ms steps; greedy requests, and sampled ones "
+            f"(temperature {sampled.temperature:g}, top_p {sampled.top_p:g}, no seed). Median "
+            f"of {dev.rounds} rounds, the two alternating (per-round values in bench.json "
+            "meta.device_bound.host_sampling). The reference is the table's cell of the same "
+            "step and streams without host sampling, run in the same rounds.", "",
+            "| host sampling | " + " | ".join(dev.hs_efficiency) + " |",
+            "|---|" + "---|" * len(dev.hs_efficiency),
+            f"| {HOST_SAMPLING_STEP_MS:g} ms, {HOST_SAMPLING_STREAMS} streams, vocab "
+            f"{HOST_SAMPLING_VOCAB:,} | " + " | ".join(cells) + " |", ""]
 
 
 def _commit() -> str:

@@ -12,12 +12,14 @@ One run, one machine, the same torch thread count everywhere:
   3. closed-loop streams (8 and 32, 3 requests each) through ours, continuous and micro
      alternating run by run, each run against the mean of its two neighbours;
   4. the device-bound scenario (bench/device_bound.py): a synthetic device of 10 ms and
-     5 ms decode steps served through TorchServe, host efficiency at 1-64 streams;
+     5 ms decode steps served through TorchServe, host efficiency at 1-64 streams, and
+     with host sampling of 128,256-token logits at 32 streams (greedy and sampled);
   5. a side-by-side report (bench.json, bench.md, PNG plots) plus SUMMARY.md with the
      issue's targets as measured ratios.
 Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 30 minutes on 2 cores);
 `--only device-bound` (`make bench-device`, a few minutes) reruns just step 4 and replaces
-its part of an existing report.
+its part of an existing report; `--device-cells host-sampling` (or `base`) runs only those
+cells of it -- for a quick look, into another --out, since the report then holds only them.
 """
 
 from __future__ import annotations
@@ -324,6 +326,9 @@ def main() -> int:
                     help="run one part; device-bound keeps the CPU part of an existing report")
     ap.add_argument("--device-rounds", type=int, default=7,
                     help="rounds of the device-bound scenario (median reported)")
+    ap.add_argument("--device-cells", choices=device_bound.CELLS, default="all",
+                    help="device-bound cells to run: every (step, streams) cell ('base'), "
+                    "the host-sampling ones, or both ('all')")
     ap.add_argument("--pair-ratios", type=int, nargs=2, default=[29, 5], metavar=("AT8", "AT32"),
                     help="continuous/micro ratios at 8 and 32 streams, each from that many + 2 "
                     "alternating closed-loop runs (~11 and ~23 s a run here). 8 streams gets "
@@ -341,7 +346,8 @@ def main() -> int:
     else:
         results, meta, text = run_cpu(args, checkpoint, prompts, work)
     if args.only != "cpu":
-        dev = device_bound.run(checkpoint, work, prompts, args.threads, args.device_rounds)
+        dev = device_bound.run(checkpoint, work, prompts, args.threads, args.device_rounds,
+                               cells=args.device_cells)
         results.update(dev.results)
         meta["device_bound"] = dev.meta()
         text += device_bound.summary_section(dev)

@@ -47,7 +47,7 @@ class GenerationDefaults:
     temperature: float = _opt(0.0, lo=0.0, doc="0 means greedy")
     top_k: int = _opt(0, lo=0, doc="0 disables top-k")
     top_p: float = _opt(1.0, lo=0.0, hi=1.0)
-    stop: list = _opt([], doc=f"up to {MAX_STOP_STRINGS} non-empty strings")
+    stop: list[str] = _opt([], doc=f"up to {MAX_STOP_STRINGS} non-empty strings")
     seed: int | None = _opt(None, lo=0, hi=MAX_SEED, doc="null = a random seed per request")
     stream: bool = _opt(True)
     stream_format: str = _opt("text", choices=("text", "ndjson"))
@@ -62,8 +62,9 @@ class NeuronSettings:
                                                 "1, 2, 4, 8, 24 (`inf2serve validate` checks)")
     amp: str = _opt("bf16", choices=("bf16", "f16", "f32"))
     model_class_name: str = _opt("llama.model.LlamaForSampling")
-    context_length_estimate: list = _opt([], doc="prefill buckets; empty = n_positions")
-    compiler_flags: list = _opt(["--model-type=transformer"])
+    context_length_estimate: list[int] = _opt([], lo=1,
+                                              doc="prefill buckets; empty = n_positions")
+    compiler_flags: list[str] = _opt(["--model-type=transformer"])
     gqa: str = _opt("", choices=("", "shard-over-heads", "shard-over-batch", "replicated-heads",
                                  "all-gather-heads"))
     cache_dir: str = _opt("neuron_cache", doc="compile cache, relative to the model dir")
@@ -93,6 +94,11 @@ class SyntheticSettings:
     prefill_ms: list | None = _opt(None, doc="one per bucket: a prefill call costs its longest "
                                              "prompt's bucket; default: the preset's "
                                              "(estimates), else one decode step")
+    host_sampling_vocab: int = _opt(
+        0, lo=0, hi=1_000_000,
+        doc="0 = off; else each call returns float32 logits [rows, this vocabulary] that the "
+            "host samples after the device step with the Neuron backends' batched sampler, "
+            "so host efficiency pays for it (the synthetic tokens still win: same outputs)")
 
 
 @dataclass(frozen=True)
@@ -103,13 +109,14 @@ class NxdiSettings:
 
     model_class: str = _opt("models.llama.modeling_llama.NeuronLlamaForCausalLM",
                             doc="class under neuronx_distributed_inference")
-    token_generation_buckets: list = _opt([], doc="KV-length buckets of decode; empty = "
-                                                  "max_length")
+    token_generation_buckets: list[int] = _opt([], lo=1, doc="KV-length buckets of decode; "
+                                                              "empty = max_length")
     max_context_length: int = _opt(0, lo=0, doc="longest prompt compiled; 0 = the largest "
                                                 "prefill bucket (or max_length)")
     on_device_sampling: bool = _opt(False, doc="sample on the device (per-request top-k/top-p/"
-                                               "temperature); requests with a seed or "
-                                               "min_new_tokens are refused")
+                                               "temperature); requests with a seed, "
+                                               "min_new_tokens, penalties or logprobs are "
+                                               "refused")
     global_topk: int = _opt(256, lo=1, doc="on-device sampling draws from this many best tokens")
     fused_qkv: bool = _opt(False)
     sequence_parallel_enabled: bool = _opt(False)
@@ -197,22 +204,50 @@ def _yaml_key(f: dataclasses.Field) -> str:
 
 
 def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (list, dict):
+        return f"{origin.__name__} of {' to '.join(map(_type_name, typing.get_args(tp)))}"
     return getattr(tp, "__name__", str(tp))
 
 
+_SCALARS = {
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+}
+
+
 def _check_value(f: dataclasses.Field, tp: Any, value: Any, path: str) -> Any:
+    """`value` as type `tp`: a scalar (with the field's choices and range), a nested
+    settings block (a dataclass), or a list/mapping of any of these, checked element by
+    element so that an error names the element (handler.neuron.compiler_flags[2])."""
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
         return _build(tp, value, path)
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-        list: lambda v: isinstance(v, list),
-    }[tp]
-    if not ok(value):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list or tp is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        return value if not args else [_check_value(f, args[0], item, f"{path}[{i}]")
+                                       for i, item in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        if not args:
+            return value
+        keys, values = args
+        return {_check_value(f, keys, k, f"{path} key {k!r}"): _check_value(f, values, v,
+                                                                           f"{path}.{k}")
+                for k, v in value.items()}
+    if isinstance(tp, types.UnionType) and type(None) in args:  # optional: null = unset
+        if value is None:
+            return None
+        return _check_value(f, next(a for a in args if a is not type(None)), value, path)
+    if tp not in _SCALARS:
+        raise TypeError(f"{path}: config fields of type {tp!r} are not supported")
+    if not _SCALARS[tp](value):
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
     meta = f.metadata
     if meta.get("choices") and value not in meta["choices"]:
@@ -236,13 +271,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{path}: unknown key{hint} (valid: {', '.join(sorted(fields))})")
         f = fields[key]
-        tp = hints[f.name]
-        if isinstance(tp, types.UnionType):
-            if value is None and type(None) in typing.get_args(tp):  # `key: null` = unset
-                kwargs[f.name] = None
-                continue
-            tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        kwargs[f.name] = _check_value(f, tp, value, path)
+        kwargs[f.name] = _check_value(f, hints[f.name], value, path)  # `key: null` = unset
     return cls(**kwargs)
 
 
@@ -293,8 +322,6 @@ def _cross_check(cfg: ModelConfig) -> None:
     if bad:
         raise ConfigError(f"handler.neuron.context_length_estimate: {bad} are not prefill lengths; "
                           f"use integers in [1, handler.max_length {h.max_length}]")
-    if not all(isinstance(f, str) for f in n.compiler_flags):
-        raise ConfigError("handler.neuron.compiler_flags: expected a list of strings")
     if h.backend == "synthetic":
         resolve_timing(h.synthetic, h.max_length)  # raises ConfigError naming the key
     if h.backend == "nxdi":

@@ -19,17 +19,15 @@ to what it answers (the output side counts the tokens it rendered). Nothing here
 waits on a request: a sink must not block.
 
 A step whose batch is the last one's -- nothing finished, failed, arrived, was
-cancelled or came due -- only decodes it again: the scheduler is not consulted. On the
-2-core bench VM each lock and call right after a device step runs cold (~20 us apiece),
-and the full step's bookkeeping put ~125 us between two device calls where a bare
-decode loop has ~40. While such a decode can finish nobody -- no sequence is within a
-token of its length limit, no token is an EOS id -- even adding its tokens to their
-sequences waits for the output side (`Unrecorded`): 32 rows took ~65 us there, cold.
+cancelled or came due -- only decodes it again, without the scheduler, because the
+bookkeeping between two device calls is host time the device waits for; while such a
+decode can finish nobody, even adding its tokens to their sequences is left to the
+output side (`Unrecorded`). docs/design.md has the measurements.
 
 A sequence past its deadline (`Sequence.deadline`) leaves at the start of the next
 step, before admission, so a newcomer takes its slot in that same step: a waiting
 one ends with a 504 error, a running one with finish_reason "timeout" and the text
-it has. TorchServe 0.12 never tells the worker that a client went away (README,
+it has. TorchServe 0.12 never tells the worker that a client went away (docs/design.md,
 "Abandoned requests"), so a deadline is what frees an abandoned request's slot.
 """
 

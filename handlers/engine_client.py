@@ -8,6 +8,11 @@ stream had started) and starts a new one, which loads from the compile cache.
 Requests arriving meanwhile wait for it, up to handler.max_queue; if it fails to load,
 they get a 503 and the worker keeps retrying with a growing pause.
 
+The worker keeps each request it sent as the `EngineRequest` it sent and the sink it
+answers to: enough to send it again or answer for it. It builds no engine `Sequence`;
+detokenizing and stop strings happen in the engine process. The messages and the handle
+it implements are in handlers/engine_messages.py.
+
 Start method `spawn`: the worker already runs threads (TorchServe's async service
 has three), and a fork would copy the locks they hold; a spawned interpreter starts
 clean, so torch's one OpenMP pool and the Neuron runtime are initialised in the
@@ -24,6 +29,7 @@ runs on that block and a restart gets it back (no other worker can take it meanw
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import itertools
 import logging
@@ -40,12 +46,22 @@ from pathlib import Path
 from handlers import engine_process
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig
-from handlers.engine import Observer, deliver
-from handlers.engine_process import ModelLimits
+from handlers.engine import Observer, QueueSink
+from handlers.engine_messages import (
+    Cancel,
+    EngineRequest,
+    FromEngine,
+    LoadFailed,
+    ModelLimits,
+    Ready,
+    StepOutputs,
+    Stop,
+    ToEngine,
+)
+from handlers.engine_start import EngineSpec
 from handlers.errors import CapacityError, EngineProcessError
 from handlers.neuron_cores import CoreClaim, available_cores, claim_cores
-from handlers.scheduler import ErrorEvent, Event, Sequence, TextEvent
-from handlers.service import EngineSpec
+from handlers.scheduler import ErrorEvent, Event, Sink, TextEvent
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +74,21 @@ POLL_S = 0.5
 
 @dataclass(eq=False)
 class _Request:
-    seq: Sequence
+    """A request in flight: what was (or will be) sent, and where its events go."""
+
+    request: EngineRequest
+    sink: Sink
     sent_to: int | None = None  # the engine process (incarnation) it went to; None: waiting
 
 
 class EngineClient:
-    """Has the engine's interface -- submit(seq), cancel(request_id), stop() -- for a
-    Sequence whose model runs in the engine process; its sink gets the events."""
+    """The `EngineHandle` of handler.engine_process child: submit(request, sink),
+    cancel(request_id), stop() for a model that runs in the engine process."""
 
     def __init__(self, spec: EngineSpec, observer: Observer | None, capacity: int,
                  claim: CoreClaim | None = None) -> None:
         self.spec = spec
-        self.limits: ModelLimits | None = None
+        self.limits: ModelLimits  # the loaded model's, once `_launch` has one
         self.pid: int | None = None  # the engine process's
         self._observe = observer or (lambda name, value, unit: None)
         self._capacity = capacity
@@ -80,7 +99,8 @@ class EngineClient:
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
         self._incarnation = 0
-        self._down: str | None = None  # why requests get a 503 now (a restart failed)
+        #: why requests get a 503 now (a restart failed); None while they can be taken
+        self.down: str | None = None
         self._stopping = threading.Event()
 
     @classmethod
@@ -111,35 +131,35 @@ class EngineClient:
         atexit.register(client.stop)
         return client
 
-    # -- the engine's interface -------------------------------------------------------
-    def submit(self, seq: Sequence) -> None:
+    # -- the engine handle -----------------------------------------------------------
+    def submit(self, request: EngineRequest, sink: Sink) -> None:
         with self._lock:
-            if self._down is not None:
-                raise CapacityError(f"the model process is down ({self._down}) and is being "
+            if self.down is not None:
+                raise CapacityError(f"the model process is down ({self.down}) and is being "
                                     "restarted; retry later", retry_after_s=5)
             if len(self._requests) >= self._capacity:
                 raise CapacityError(f"{len(self._requests)} requests are in flight (handler."
                                     f"batch_size + handler.max_queue = {self._capacity}); "
                                     "retry later or add workers")
-            request = self._requests[seq.request_id] = _Request(seq)
+            entry = self._requests[request.request_id] = _Request(request, sink)
             conn = self._conn
             if conn is not None:
-                request.sent_to = self._incarnation
+                entry.sent_to = self._incarnation
         if conn is not None:
-            self._send(conn, _submit_message(seq))
+            self._send(conn, request)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
-            request = self._requests.get(request_id)
-            if request is None:
+            entry = self._requests.get(request_id)
+            if entry is None:
                 return
-            if request.sent_to is None:  # still waiting for a restarted process
+            if entry.sent_to is None:  # still waiting for a restarted process
                 del self._requests[request_id]
-            conn = self._conn if request.sent_to == self._incarnation else None
-        if request.sent_to is None:
-            _emit(request.seq, ErrorEvent(499, "cancelled"))
+            conn = self._conn if entry.sent_to == self._incarnation else None
+        if entry.sent_to is None:
+            _emit(entry, ErrorEvent(499, "cancelled"))
         elif conn is not None:  # else the dead process's requests are being answered
-            self._send(conn, ("cancel", request_id))
+            self._send(conn, Cancel(request_id))
 
     def stop(self, timeout_s: float = 10) -> None:
         """Stop the engine process; requests still in flight get a 503."""
@@ -149,14 +169,14 @@ class EngineClient:
         with self._lock:
             conn, proc = self._conn, self._proc
         if conn is not None:
-            self._send(conn, ("stop",))
+            self._send(conn, Stop())
         if proc is not None:
             _stop_process(proc, timeout_s)
         with self._lock:
             left = list(self._requests.values())
             self._requests.clear()
-        for request in left:
-            _emit(request.seq, ErrorEvent(503, "the worker is stopping; retry the request", 1))
+        for entry in left:
+            _emit(entry, ErrorEvent(503, "the worker is stopping; retry the request", 1))
         if self._claim is not None:
             self._claim.release()
 
@@ -171,23 +191,24 @@ class EngineClient:
         child_conn.close()  # else this process keeps the pipe open and never sees it close
         logger.info("engine process %d started", proc.pid)
         message = _receive(conn, proc, self.spec.config.frontend.startup_timeout)
-        if message is None or message[0] != "ready":
+        if not isinstance(message, Ready):
             conn.close()
             reason = _stop_process(proc)
-            if message is not None and message[0] == "failed":
-                _, exc, text = message
-                exc.add_note(f"raised in the engine process {proc.pid}:\n{text}")
-                raise exc
+            if isinstance(message, LoadFailed):
+                # the engine's own exception, its traceback as the cause (as
+                # concurrent.futures does for a worker process); `add_note` is 3.11+
+                raise message.error from RemoteTraceback(
+                    f"raised in the engine process {proc.pid}:\n{message.traceback}")
             raise EngineProcessError(f"the engine process {proc.pid} {reason} before the "
                                      "model was loaded; its log lines are above")
         with self._lock:
             self._incarnation += 1
-            self._proc, self._conn, self.limits, self.pid = proc, conn, message[1], proc.pid
+            self._proc, self._conn, self.limits, self.pid = proc, conn, message.limits, proc.pid
             waiting = [r for r in self._requests.values() if r.sent_to is None]
-            for request in waiting:
-                request.sent_to = self._incarnation
-        for request in waiting:
-            self._send(conn, _submit_message(request.seq))
+            for entry in waiting:
+                entry.sent_to = self._incarnation
+        for entry in waiting:
+            self._send(conn, entry.request)
 
     def _supervise(self) -> None:
         """Relay the engine process's messages; answer for it and restart it when it dies."""
@@ -204,38 +225,46 @@ class EngineClient:
                 self._died(proc)
                 self._restart()
 
-    def _deliver(self, message: tuple) -> None:
-        """A step's events to their requests: one wake-up per event loop, not per event."""
-        _, events, observations = message
-        out = []
+    def _deliver(self, message: FromEngine) -> None:
+        """A message of the serving engine process: only `StepOutputs` are expected."""
+        match message:
+            case StepOutputs():
+                self._deliver_step(message)
+            case _:
+                logger.error("ignored a %s message of the engine process %s",
+                             type(message).__name__, self.pid)
+
+    def _deliver_step(self, step: StepOutputs) -> None:
+        """A step's events to their requests, texts before the last events (a request's
+        text of this step precedes its end): one wake-up per event loop, not per event."""
+        out: list[tuple[_Request, Event]] = []
         with self._lock:
-            for item in events:
-                request = self._requests.get(item[0])
-                if request is None:
-                    continue
-                if len(item) == 3:  # a TextEvent's fields (engine_process.Outbox)
-                    event = TextEvent(item[1], item[2])
-                else:  # the request's last event
-                    event = item[1]
-                    del self._requests[item[0]]
-                out.append((request.seq, event))
-        deliver(out)
-        for observation in observations:
+            requests = self._requests
+            for request_id, text, tokens in step.texts:
+                entry = requests.get(request_id)
+                if entry is not None:  # else answered already (the process died, a stop)
+                    out.append((entry, TextEvent(text, tokens)))
+            for request_id, event in step.finals:
+                entry = requests.pop(request_id, None)
+                if entry is not None:
+                    out.append((entry, event))
+        _deliver_all(out)
+        for observation in step.observations:
             self._observe(*observation)
 
     def _died(self, proc: BaseProcess) -> None:
         reason = _stop_process(proc)
         with self._lock:
             lost = [r for r in self._requests.values() if r.sent_to == self._incarnation]
-            for request in lost:
-                del self._requests[request.seq.request_id]
+            for entry in lost:
+                del self._requests[entry.request.request_id]
             self._conn.close()
             self._conn = None
         logger.error("engine process %d %s: answering its %d request(s) and restarting it",
                      proc.pid, reason, len(lost))
         message = f"the model process {reason}; it is being restarted, retry the request"
-        for request in lost:
-            _emit(request.seq, ErrorEvent(500, message))
+        for entry in lost:
+            _emit(entry, ErrorEvent(500, message))
         self._observe("WaitingRequests", 0, "count")
         self._observe("BusySlots", 0, "count")
 
@@ -251,22 +280,22 @@ class EngineClient:
                 logger.exception("restarting the engine process failed; next attempt in %ds",
                                  pause)
                 with self._lock:
-                    self._down = f"{type(exc).__name__}: {exc}"
+                    self.down = down = f"{type(exc).__name__}: {exc}"
                     waiting = [r for r in self._requests.values() if r.sent_to is None]
-                    for request in waiting:
-                        del self._requests[request.seq.request_id]
-                for request in waiting:
-                    _emit(request.seq, ErrorEvent(503, f"the model could not be reloaded "
-                                                  f"({self._down}); retry later", pause))
+                    for entry in waiting:
+                        del self._requests[entry.request.request_id]
+                for entry in waiting:
+                    _emit(entry, ErrorEvent(503, f"the model could not be reloaded ({down}); "
+                                            "retry later", pause))
                 self._stopping.wait(pause)
                 with self._lock:
-                    self._down = None
+                    self.down = None
                 continue
             logger.info("engine process %d restarted in %.1fs", self.pid,
                         time.monotonic() - started)
             return
 
-    def _send(self, conn: Connection, message: tuple) -> None:
+    def _send(self, conn: Connection, message: ToEngine) -> None:
         with self._send_lock:
             try:
                 conn.send(message)
@@ -274,13 +303,8 @@ class EngineClient:
                 pass
 
 
-def _submit_message(seq: Sequence) -> tuple:
-    return ("submit", seq.request_id, seq.prompt_ids, seq.max_new_tokens, seq.sampling,
-            seq.stop, seq.arrived_at, seq.deadline)  # time.monotonic(): one clock per host
-
-
 def _receive(conn: Connection, proc: BaseProcess, timeout_s: float | None = None
-             ) -> tuple | None:
+             ) -> FromEngine | None:
     """The next message, or None once the process is gone (or `timeout_s` passed)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
@@ -295,6 +319,13 @@ def _receive(conn: Connection, proc: BaseProcess, timeout_s: float | None = None
         if deadline is not None and time.monotonic() > deadline:
             logger.error("engine process %d sent nothing in %.0fs", proc.pid, timeout_s)
             return None
+
+
+class RemoteTraceback(Exception):
+    """The engine process's traceback, as text: the cause of the exception it sent."""
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 def _stop_process(proc: BaseProcess, timeout_s: float = 2) -> str:
@@ -313,8 +344,24 @@ def _stop_process(proc: BaseProcess, timeout_s: float = 2) -> str:
     return f"exited with code {code}"
 
 
-def _emit(seq: Sequence, event: Event) -> None:
+def _deliver_all(items: list[tuple[_Request, Event]]) -> None:
+    """Events to their requests' sinks, in order; QueueSinks grouped by event loop, so a
+    step wakes each loop once (handlers/engine.deliver does the same for sequences)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[QueueSink, Event]]] = {}
+    for entry, event in items:
+        if isinstance(entry.sink, QueueSink):
+            by_loop.setdefault(entry.sink.loop, []).append((entry.sink, event))
+        else:
+            _emit(entry, event)
+    for loop, group in by_loop.items():
+        try:
+            QueueSink.put_all(loop, group)
+        except RuntimeError:  # its loop is closed: nobody is left to read these
+            logger.warning("dropped %d events for a closed event loop", len(group))
+
+
+def _emit(entry: _Request, event: Event) -> None:
     try:
-        seq.sink(event)
+        entry.sink(event)
     except Exception:  # a broken sink must not stop other requests
-        logger.exception("sink of request %s failed", seq.request_id)
+        logger.exception("sink of request %s failed", entry.request.request_id)

@@ -7,18 +7,10 @@ AsyncWorkerThread.java:144-147). So the model -- what an OOM kill or a Neuron ru
 abort takes down -- runs here, and the worker (handlers/engine_client.py) answers for it.
 
 This side runs the same `Engine` as inline mode and talks to the worker over one
-pipe, in pickled tuples:
-
-  worker -> engine  ("submit", request_id, prompt_ids, max_new_tokens, sampling, stop,
-                     arrived_at, deadline), ("cancel", request_id), ("stop",)
-  engine -> worker  once ("ready", ModelLimits) or ("failed", exception, traceback);
-                    then ("step", [(request_id, event) or (request_id, text, tokens), ...],
-                    [(name, value, unit), ...])
-
-A step message carries every event and metric observation of one engine step, so the
-IPC cost is per step, not per token per sequence (vLLM's engine core batches its
-outputs the same way). A TextEvent -- nearly every event -- travels as its fields:
-pickling 32 frozen dataclasses and back measured ~80 us a step, their fields ~13 us.
+pipe, in the messages of handlers/engine_messages.py: it gets `EngineRequest`, `Cancel`
+and `Stop`, and answers once `Ready` (or `LoadFailed`), then one `StepOutputs` per
+engine step -- every event and metric observation of the step in one message (vLLM's
+engine core batches its outputs the same way), the text events as plain fields.
 Detokenization and stop strings stay with the sequence, here.
 """
 
@@ -30,26 +22,25 @@ import pickle
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
 
+from handlers.engine import Engine
+from handlers.engine_messages import (
+    Cancel,
+    EngineRequest,
+    FinalItem,
+    LoadFailed,
+    Observation,
+    Ready,
+    StepOutputs,
+    Stop,
+    TextItem,
+)
+from handlers.engine_start import EngineSpec, build_sequence, model_limits, start_engine
 from handlers.errors import CapacityError
-from handlers.scheduler import ErrorEvent, Event, Sequence, Sink, TextEvent
-
-if TYPE_CHECKING:
-    from handlers.service import EngineSpec
+from handlers.scheduler import ErrorEvent, Event, Sink, TextEvent
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """The loaded backend's limits, which the worker checks requests against."""
-
-    batch_size: int
-    max_length: int
-    max_prompt_length: int | None
 
 
 class Outbox:
@@ -58,15 +49,19 @@ class Outbox:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._lock = threading.Lock()
-        self._events: list[tuple[str, Event] | tuple[str, str, int]] = []
-        self._observations: list[tuple[str, float, str]] = []
+        self._texts: list[TextItem] = []
+        self._finals: list[FinalItem] = []
+        self._observations: list[Observation] = []
 
     def sink(self, request_id: str) -> Sink:
         def put(event: Event) -> None:
-            item = ((request_id, event.text, event.tokens) if type(event) is TextEvent
-                    else (request_id, event))
-            with self._lock:
-                self._events.append(item)
+            if type(event) is TextEvent:
+                text = (request_id, event.text, event.tokens)
+                with self._lock:
+                    self._texts.append(text)
+            else:  # the request's last event: FinishEvent or ErrorEvent
+                with self._lock:
+                    self._finals.append((request_id, event))
         return put
 
     def observe(self, name: str, value: float, unit: str) -> None:
@@ -75,10 +70,10 @@ class Outbox:
 
     def flush(self) -> None:
         with self._lock:
-            if not self._events and not self._observations:
+            if not self._texts and not self._finals and not self._observations:
                 return
-            message = ("step", self._events, self._observations)
-            self._events, self._observations = [], []
+            message = StepOutputs(self._texts, self._finals, self._observations)
+            self._texts, self._finals, self._observations = [], [], []
             try:  # under the lock: two threads flush (engine, commands); one send at a time
                 self._conn.send(message)
             except OSError:  # the worker is gone: nobody is left to answer
@@ -90,46 +85,39 @@ def main(conn: Connection, spec: EngineSpec) -> None:
     # the worker's own logging: TorchServe reads its stdout into the model log
     # (pytorch/serve@v0.12.0:ts/model_service_worker.py:282)
     logging.basicConfig(stream=sys.stdout, format="%(message)s", level=spec.log_level)
-    from handlers.service import start_engine  # here: the worker side needs none of it
-
     outbox = Outbox(conn)
     try:
         engine, tokenizer = start_engine(spec, outbox.observe, outbox.flush)
     except BaseException as exc:
         logger.exception("engine process %d: loading the model failed", os.getpid())
-        conn.send(("failed", _portable(exc), traceback.format_exc()))
+        conn.send(LoadFailed(_portable(exc), traceback.format_exc()))
         return
-    b = engine.backend
-    conn.send(("ready", ModelLimits(b.batch_size, b.max_length,
-                                    getattr(b, "max_prompt_length", None))))
+    conn.send(Ready(model_limits(engine.backend)))
     serve(conn, engine, tokenizer, outbox)
 
 
-def serve(conn: Connection, engine, tokenizer, outbox: Outbox) -> None:
+def serve(conn: Connection, engine: Engine, tokenizer, outbox: Outbox) -> None:
     """Apply the worker's commands until it says stop or goes away."""
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):  # the worker died: this process must not outlive it
             os._exit(0)
-        kind = message[0]
-        if kind == "submit":
-            (_, request_id, prompt_ids, max_new_tokens, sampling, stop, arrived_at,
-             deadline) = message
-            sink = outbox.sink(request_id)
-            seq = Sequence(request_id=request_id, prompt_ids=prompt_ids,
-                           max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                           sink=sink, tokenizer=tokenizer, arrived_at=arrived_at,
-                           deadline=deadline)
-            try:
-                engine.submit(seq)
-            except CapacityError as exc:
-                sink(ErrorEvent(503, str(exc), exc.retry_after_s))
-        elif kind == "cancel":
-            engine.cancel(message[1])
-        elif kind == "stop":
-            engine.stop()
-            return
+        match message:
+            case EngineRequest():
+                sink = outbox.sink(message.request_id)
+                try:
+                    engine.submit(build_sequence(message, sink, tokenizer))
+                except CapacityError as exc:
+                    sink(ErrorEvent(503, str(exc), exc.retry_after_s))
+            case Cancel():
+                engine.cancel(message.request_id)
+            case Stop():
+                engine.stop()
+                return
+            case _:
+                logger.error("engine process: ignored a message of type %s from the worker",
+                             type(message).__name__)
         if not conn.poll():  # answers to commands (503s, cancels) go out once none are queued
             outbox.flush()
 

@@ -1,10 +1,15 @@
-"""One small hierarchy, so callers catch by meaning and messages carry the fix."""
+"""One small hierarchy, so callers catch by meaning and messages carry the fix.
+
+The base class and CacheError come from the compile cache, the lowest layer
+(neuron_cache/errors.py), so it needs nothing from here.
+"""
 
 from __future__ import annotations
 
+from neuron_cache.errors import CacheError, Inf2ServeError
 
-class Inf2ServeError(Exception):
-    """Base class: the message says what was seen, what was expected and the fix."""
+__all__ = ["CacheError", "CapacityError", "ConfigError", "EngineProcessError",
+           "GenerationError", "Inf2ServeError", "NeuronUnavailableError", "RequestError"]
 
 
 class ConfigError(Inf2ServeError):
@@ -35,10 +40,6 @@ class GenerationError(Inf2ServeError):
 
 class EngineProcessError(Inf2ServeError):
     """The engine process died, or exited before the model was loaded."""
-
-
-class CacheError(Inf2ServeError):
-    """A compile-cache entry is missing, corrupt or was built for another SDK or flags."""
 
 
 class NeuronUnavailableError(Inf2ServeError):

@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from handlers import worker_service
-from handlers.apis import Immediate, NativeApi, select_api
+from handlers.apis import Immediate, NativeApi
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig, parse_config
 from handlers.engine import Observer
 from handlers.errors import CapacityError, RequestError
 from handlers.framing import Framer, native_framer
 from handlers.metrics import MetricsReporter, worker_id
+from handlers.routes import select_api
 from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.service import GenerationService
 

@@ -248,7 +248,8 @@ class CompletionsApi:
         _no_stream_logprobs(body, logprobs)
         if echo and body.get("stream"):
             raise RequestError("echo", "not supported with \"stream\": true here")
-        request = replace(request, sampling=extensions(body, request.sampling, handler,
+        request = replace(request, sampling=extensions(body, request.sampling,
+                                                       service.limits.capabilities,
                                                        logprobs, echo))
         if prompt_ids is None:
             prompt_ids = service.encode(request.prompt)
@@ -256,7 +257,7 @@ class CompletionsApi:
         meta = _meta(body, service, chat=False, echo=text if echo else None,
                      echo_ids=tuple(prompt_ids), hide_generated=score_only,
                      token_text=token_text)
-        check_fit(prompt_ids, request, service.backend.max_length, self.names)
+        check_fit(prompt_ids, request, service.limits.max_length, self.names)
         return Prepared(request, prompt_ids,
                         openai_framer(meta, request.stream, len(prompt_ids)))
 
@@ -287,12 +288,13 @@ class ChatCompletionsApi:
         request = to_generation_request(body, text, handler, names)
         logprobs = logprobs_asked(body, chat=True)
         _no_stream_logprobs(body, logprobs)
-        request = replace(request, sampling=extensions(body, request.sampling, handler,
+        request = replace(request, sampling=extensions(body, request.sampling,
+                                                       service.limits.capabilities,
                                                        logprobs, echo=False))
         token_text = functools.partial(token_string, service.tokenizer)
         meta = _meta(body, service, chat=True, token_text=token_text)
         prompt_ids = encode_chat(service.tokenizer, text)
-        check_fit(prompt_ids, request, service.backend.max_length, names)
+        check_fit(prompt_ids, request, service.limits.max_length, names)
         return Prepared(request, prompt_ids,
                         openai_framer(meta, request.stream, len(prompt_ids)))
 
@@ -309,7 +311,7 @@ def _model_card(service: Any) -> dict[str, Any]:
     except OSError:
         created = 0
     return {"id": served_name(checkpoint), "object": "model", "created": created,
-            "owned_by": "inf2serve", "max_model_len": service.backend.max_length}
+            "owned_by": "inf2serve", "max_model_len": service.limits.max_length}
 
 
 class ModelsApi:
@@ -345,7 +347,7 @@ class HealthApi:
         self.body = body
 
     def prepare(self, payload: Any, content_type: str, service: Any) -> Immediate:
-        down = getattr(service.engine, "_down", None)  # EngineClient: why a restart failed
+        down = service.engine.down  # why requests get a 503 now (a restart failed)
         if down is not None:
             raise RequestError("", f"the model process is down ({down}); it is being "
                                "restarted", status=503)
@@ -392,7 +394,7 @@ ROUTES: dict[str, Callable[[], Api]] = {
 
 
 def openai_api(path: str) -> Api:
-    """The Api for a url_path (called by handlers.apis.select_api for any non-empty path)."""
+    """The Api for a url_path (called by handlers.routes.select_api for any non-empty path)."""
     path = path.strip("/")
     if path.startswith("v1/models/") and path.count("/") == 2:
         return ModelApi(path.rsplit("/", 1)[1])

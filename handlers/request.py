@@ -190,8 +190,7 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
         top_p=bounded_float(body, "top_p", d.top_p, 0.0, 1.0, lo_open=True),
         seed=seed,
         min_new_tokens=min_new,
-    )
-    _check_device_sampling(sampling, config)
+    )  # what the backend can honour is checked by the API (backends/capabilities.py)
     stream = body.get("stream", d.stream)
     if not isinstance(stream, bool):
         raise RequestError("stream", f"expected true or false, got {stream!r}")
@@ -205,22 +204,6 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
                              sampling=sampling, stop=_stop(body, d.stop), stream=stream,
                              stream_format=fmt, details=details,
                              timeout_s=_timeout(body, config))
-
-
-def _check_device_sampling(s: SamplingParams, config: HandlerConfig) -> None:
-    """NxD Inference's on-device sampler takes top-k, top-p and temperature per row and
-    nothing else: a request asking for more is refused here, a 400 naming the field
-    (the backend re-checks: handlers/backends/nxdi_backend.py device_sampling_row)."""
-    if config.backend != "nxdi" or not config.nxdi.on_device_sampling:
-        return
-    why = "handler.nxdi.on_device_sampling samples on the device"
-    if s.seed is not None:
-        raise RequestError("seed", f"not supported: {why}, which cannot be seeded per request")
-    if s.min_new_tokens:
-        raise RequestError("min_new_tokens", f"not supported: {why}, which cannot hold back EOS")
-    if not s.greedy and s.top_k > config.nxdi.global_topk:
-        raise RequestError("top_k", f"{s.top_k} is out of range; allowed [0, "
-                           f"{config.nxdi.global_topk}] (handler.nxdi.global_topk)")
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, max_length: int,

@@ -7,15 +7,18 @@ Two policies share it:
   micro_batch_size requests start together and no one joins until all of them
   have finished; each still leaves (and its stream closes) as soon as it is done.
   A micro-batch starts when it is full or its oldest request has waited
-  batch_delay_s, as TorchServe's batchSize/maxBatchDelay would.
-Admission is first-come, first-served in both.
+  batch_delay_s, as TorchServe's batchSize/maxBatchDelay would. Where one device
+  call samples every row alike (`group`), a micro-batch takes only the waiting
+  requests of its oldest one's group, and a request of no group runs alone.
+Admission is first-come, first-served in both: the oldest waiting request goes first.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from handlers.backends.base import SamplingParams, TokenLogprob
@@ -140,9 +143,13 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, slots: int, policy: str = "continuous", micro_batch_size: int = 0,
-                 max_queue: int = 64, batch_delay_s: float = 0.0) -> None:
+                 max_queue: int = 64, batch_delay_s: float = 0.0,
+                 group: Callable[[Sequence], Hashable | None] | None = None) -> None:
+        """`group` (micro only): the key of the requests that may share a micro-batch, None
+        for one that must run alone; None = any requests may."""
         if policy not in ("continuous", "micro"):
             raise ValueError(f"policy {policy!r}: choose 'continuous' or 'micro'")
+        self.group = group
         self.slots = slots
         self.policy = policy
         self.micro_batch_size = min(micro_batch_size or slots, slots)
@@ -162,37 +169,49 @@ class Scheduler:
                                 f"{self.max_queue}); retry later or add workers")
         self.waiting.append(seq)
 
-    def _room(self, now: float) -> int:
-        if self.policy == "continuous":
-            return len(self._free)
+    def _micro_batch(self, now: float) -> list[Sequence]:
+        """The next micro-batch if it may start now (full, or its oldest request is due)."""
         if self.running or not self.waiting:
-            return 0
-        full = len(self.waiting) >= self.micro_batch_size
-        due = now - self.waiting[0].arrived_at >= self.batch_delay_s
-        return self.micro_batch_size if full or due else 0
+            return []
+        head = self.waiting[0]
+        if self.group is None:
+            batch = list(itertools.islice(self.waiting, self.micro_batch_size))
+        elif (key := self.group(head)) is None:
+            return [head]  # runs alone: nothing can join it, so nothing to wait for
+        else:
+            batch = [s for s in self.waiting if self.group(s) == key][:self.micro_batch_size]
+        full = len(batch) >= self.micro_batch_size
+        due = now - head.arrived_at >= self.batch_delay_s
+        return batch if full or due else []
 
     def wait_time(self, now: float | None = None) -> float | None:
         """Seconds until admission could happen without a new arrival; None = no such time."""
         now = time.monotonic() if now is None else now
-        if self.running or (self.waiting and self._room(now)):
+        if self.running:
             return 0.0
-        if self.policy == "micro" and self.waiting:
-            return max(0.0, self.waiting[0].arrived_at + self.batch_delay_s - now)
-        return None
+        if self.policy == "continuous":
+            return 0.0 if self.waiting and self._free else None
+        if not self.waiting:
+            return None
+        if self._micro_batch(now):
+            return 0.0
+        return max(0.0, self.waiting[0].arrived_at + self.batch_delay_s - now)
 
     def admit(self, now: float | None = None) -> list[Sequence]:
         """Give free slots to waiting requests, as the policy allows."""
         now = time.monotonic() if now is None else now
-        room = self._room(now)
-        admitted = []
-        while self.waiting and room > 0:
-            seq = self.waiting.popleft()
+        if self.policy == "continuous":
+            batch = [self.waiting.popleft()
+                     for _ in range(min(len(self._free), len(self.waiting)))]
+        else:
+            batch = self._micro_batch(now)
+            taken = set(map(id, batch))  # a group's requests need not be adjacent
+            self.waiting = deque(s for s in self.waiting if id(s) not in taken)
+        for seq in batch:
             seq.slot = self._free.pop()
             seq.admitted_at = now
             self.running[seq.slot] = seq
-            admitted.append(seq)
-            room -= 1
-        return admitted
+        return batch
 
     def finish(self, seq: Sequence) -> int | None:
         """Free the sequence's slot (continuous: reusable at the next step); return it."""

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from handlers.errors import CacheError
+from neuron_cache.errors import CacheError
 from neuron_cache.key import KeyInputs, is_build_mismatch
 from neuron_cache.store import CacheStore, Entry
 

@@ -15,12 +15,22 @@ import json
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from handlers.errors import CacheError
+from neuron_cache.errors import CacheError
 
-if TYPE_CHECKING:
-    from handlers.config import HandlerConfig
+
+class HandlerConfig(Protocol):
+    """The settings the key is computed from, as the runtime's typed config holds them
+    (handlers.config.HandlerConfig has this shape). Structural, so that the cache, the
+    lowest layer, imports nothing from the runtime above it."""
+
+    backend: str
+    batching: str
+    batch_size: int
+    max_length: int
+    neuron: Any  # tp_degree, amp, gqa, context_length_estimate, compiler_flags, ...
+    nxdi: Any  # model_class, max_context_length, token_generation_buckets, ...
 
 #: distributions whose versions are part of the key (read with importlib.metadata): each one
 #: changes the NEFFs. transformers-neuronx builds the HLO with torch-neuronx's pyhlo, and

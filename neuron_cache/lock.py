@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from handlers.errors import CacheError
+from neuron_cache.errors import CacheError
 
 log = logging.getLogger(__name__)
 

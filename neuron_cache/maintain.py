@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from handlers.errors import CacheError, Inf2ServeError
+from neuron_cache.errors import CacheError, Inf2ServeError
 from neuron_cache.store import (
     TMP_PREFIX,
     CacheStore,

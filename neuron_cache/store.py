@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from handlers.errors import CacheError
+from neuron_cache.errors import CacheError
 from neuron_cache.key import KeyInputs, differences
 from neuron_cache.lock import FileLock
 

@@ -11,8 +11,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from handlers.backends.base import Backend
+    from handlers.backends.base import Backend, Capabilities
     from handlers.config import HandlerConfig
+
+
+def capabilities_for(config: HandlerConfig) -> Capabilities:
+    """What the configured backend will honour (its `capabilities` once loaded), without
+    loading it: for packaging checks and tests. Each backend module declares its own."""
+    if config.backend == "neuron":
+        from handlers.backends import neuron_backend as m
+
+        runner = m._ContinuousRunner if config.batching == "continuous" else m._MicroRunner
+        return runner.CAPABILITIES
+    if config.backend == "nxdi":
+        from handlers.backends.nxdi_backend import capabilities
+
+        return capabilities(config.nxdi.on_device_sampling, config.nxdi.global_topk)
+    if config.backend == "synthetic":
+        from handlers.backends.synthetic_backend import SyntheticBackend
+
+        return SyntheticBackend.capabilities
+    from handlers.backends.base import Capabilities
+
+    return Capabilities()  # torch: host sampling from full logits, every prompt position
 
 
 def load_backend(config: HandlerConfig, model_dir: Path,

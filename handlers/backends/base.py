@@ -20,9 +20,10 @@ from __future__ import annotations
 import importlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 GREEDY_BELOW = 1e-5
@@ -56,6 +57,41 @@ class SamplingParams:
                 or self.presence_penalty != 0.0)
 
 
+#: the request features a backend may lack, by their SamplingParams name
+FEATURES = ("seed", "min_new_tokens", "ignore_eos", "repetition_penalty", "frequency_penalty",
+            "presence_penalty", "logprobs", "prompt_logprobs")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """`unsupported` maps a feature (FEATURES) to why this backend cannot honour it, the
+    reason naming the setting that decides and the way out. `max_top_k` bounds top_k where
+    the device keeps only so many candidates. `shared_sampling`: one device call samples
+    every row with one parameter set (transformers-neuronx's `sample()`), so the scheduler
+    puts only requests with the same `sampling_group` in one micro-batch."""
+
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+    max_top_k: int | None = None
+    max_top_k_setting: str = ""
+    shared_sampling: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.unsupported) - set(FEATURES))
+        if unknown:
+            raise ValueError(f"unknown capability features {unknown}; known: {FEATURES}")
+        # read-only and picklable as a plain dict (it crosses the engine-process pipe)
+        object.__setattr__(self, "unsupported", MappingProxyType(dict(self.unsupported)))
+
+    def __reduce__(self):
+        return (Capabilities, (dict(self.unsupported), self.max_top_k, self.max_top_k_setting,
+                               self.shared_sampling))
+
+    @classmethod
+    def lacking(cls, features: tuple[str, ...], why: str, **kwargs) -> Capabilities:
+        """Every one of `features` refused for the same reason."""
+        return cls({f: why for f in features}, **kwargs)
+
+
 #: one token's log-probability under the model (raw logits, before any sampling
 #: parameter) and the top alternatives: (logprob, ((token id, logprob), ...))
 TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
@@ -74,6 +110,8 @@ class Backend(ABC):
     eos_token_ids: frozenset[int]
     #: whether `step` can run newcomers' prefill together with the running batch's decode
     mixes_prefill: bool = False
+    #: what requests it honours (default: host sampling from full logits, everything)
+    capabilities: Capabilities = Capabilities()
 
     @abstractmethod
     def prefill(

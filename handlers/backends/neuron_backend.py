@@ -10,6 +10,7 @@ Two runners, picked by handler.batching:
   sampling with each request's own parameters (handlers.sampling.RowSampler).
 - micro: the SDK's own `sample(..., streamer=)` on the compiled batch, run in a
   thread; the streamer hands each [batch, 1] step to a queue that `decode` drains.
+  One parameter set per call, so micro-batches hold requests that sample alike.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from typing import Any
 
 from handlers.backends.base import (
     Backend,
+    Capabilities,
     SamplingParams,
     TokenLogprob,
     import_sdk_class,
     read_eos_ids,
 )
+from handlers.backends.capabilities import sampling_group
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
 from handlers.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
@@ -133,6 +136,7 @@ class NeuronBackend(Backend):
             raise
         eos = min(self.eos_token_ids) if self.eos_token_ids else 0
         self._runner = runner_cls(self.model, config, context_buckets(config), eos)
+        self.capabilities = runner_cls.CAPABILITIES
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 params: Sequence[SamplingParams]) -> list[int]:
@@ -197,6 +201,11 @@ class _ContinuousRunner:
     (llama/model.py:L280-L282).
     """
 
+    CAPABILITIES = Capabilities.lacking(
+        ("prompt_logprobs",), "handler.backend neuron returns logits for the last prompt "
+        "position only, so there are no prompt logprobs; send echo without logprobs, or use "
+        "backend torch")
+
     @staticmethod
     def check(model_cls: type, buckets: list[int]) -> None:
         if buckets[-1] < 2:
@@ -236,6 +245,8 @@ class _ContinuousRunner:
     def decode(self, slots: list[int]) -> list[int]:
         import torch
 
+        from handlers.sampling import sample_rows
+
         missing = [s for s in slots if s not in self.rows]
         if missing:
             raise GenerationError(f"decode of slots {missing} that were never prefilled")
@@ -244,7 +255,8 @@ class _ContinuousRunner:
         cache_ids = torch.tensor([[r[0]] for r in rows], dtype=torch.int64)  # [n, 1]
         with torch.inference_mode():
             logits = self.model.forward(ids, cache_ids, torch.tensor(slots, dtype=torch.int64))
-            out = [r[2](logits[i]) for i, r in enumerate(rows)]  # logits: [n, vocab], slot order
+            # logits: [n, vocab] in slot order; every row in one batched pass (sampling.py)
+            out = sample_rows(logits, [r[2] for r in rows])
         for slot, (length, _, sampler), token in zip(slots, rows, out, strict=True):
             self.rows[slot] = (length + 1, token, sampler)
         return out
@@ -283,10 +295,23 @@ class _QueueStreamer:
 
 
 class _MicroRunner:
-    """Static micro-batches through `sample(streamer=)`; shorter batches are padded."""
+    """Static micro-batches through `sample(streamer=)`; shorter batches are padded.
+
+    sample() applies one top-k, top-p and temperature to every row of the call, draws
+    from torch's global RNG, ends a row at EOS and returns no logits
+    (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/sampling.py:
+    L311-L373). So a micro-batch holds only requests that sample alike (the scheduler
+    groups them: `Capabilities.shared_sampling`), a seeded request runs alone after
+    seeding that RNG, and what needs logits or a say over EOS is refused."""
 
     SAMPLE_KEYWORDS = ("sequence_length", "start_ids", "eos_token_override", "streamer", "top_k",
                        "top_p", "temperature")
+    CAPABILITIES = Capabilities.lacking(
+        ("min_new_tokens", "ignore_eos", "repetition_penalty", "frequency_penalty",
+         "presence_penalty", "logprobs", "prompt_logprobs"),
+        "handler.batching micro samples inside transformers-neuronx's sample(), which ends "
+        "rows at EOS and returns no logits; use handler.batching continuous",
+        shared_sampling=True)
 
     @classmethod
     def check(cls, model_cls: type, buckets: list[int]) -> None:
@@ -301,16 +326,20 @@ class _MicroRunner:
         self.thread: threading.Thread | None = None
 
     def _sample_kwargs(self, params: list[SamplingParams]) -> dict[str, Any]:
+        """The one parameter set of a micro-batch the scheduler grouped; a mixed batch is a
+        bug upstream, never sampled with someone else's parameters."""
+        groups = {sampling_group(q) for q in params}
+        if len(groups) != 1 or (None in groups and len(params) > 1):
+            raise GenerationError(f"micro-batch of {len(params)} requests that sample "
+                                  "differently; sample() takes one parameter set per call")
         p = params[0]
-        if any(q != p for q in params[1:]):
-            log.warning("micro batching: sample() takes one set of sampling parameters per "
-                        "batch; using the first request's (%s) for all %d", p, len(params))
-        if p.seed is not None:
-            import torch
-
-            torch.manual_seed(p.seed)
         if p.greedy:
             return {"top_k": 1, "top_p": 1.0, "temperature": 1.0}
+        import torch
+
+        # sample() draws from the global RNG (multinomial): seeded, it reproduces; unseeded,
+        # it must not continue a seeded request's stream
+        torch.manual_seed(p.seed) if p.seed is not None else torch.seed()
         return {"top_k": p.top_k or self.vocab or 50, "top_p": float(p.top_p),
                 "temperature": float(p.temperature)}
 

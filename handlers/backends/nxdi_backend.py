@@ -25,11 +25,13 @@ from typing import Any
 
 from handlers.backends.base import (
     Backend,
+    Capabilities,
     SamplingParams,
     TokenLogprob,
     import_sdk_class,
     read_eos_ids,
 )
+from handlers.backends.capabilities import check_sampling
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
 from handlers.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
@@ -129,19 +131,34 @@ def prefill_inputs(prompt: list[int], largest_bucket: int) -> tuple[list[int], l
     return prompt, list(range(len(prompt)))
 
 
-def device_sampling_row(p: SamplingParams, global_topk: int) -> list[float]:
-    """(top_k, top_p, temperature) for the on-device sampler (sampling.py:L99-L182)."""
-    if p.seed is not None:
-        raise RequestError("seed", "on-device sampling (handler.nxdi.on_device_sampling) "
-                           "cannot be seeded per request; leave seed out")
-    if p.min_new_tokens:
-        raise RequestError("min_new_tokens", "on-device sampling cannot suppress EOS; leave "
-                           "min_new_tokens out")
+def capabilities(on_device_sampling: bool, global_topk: int) -> Capabilities:
+    """Context encoding returns the last prompt position's logits only, so no prompt
+    logprobs; the on-device sampler (modules/generation/sampling.py:L99-L182) takes per
+    row only top-k (at most global_topk), top-p and temperature, draws from the device's
+    own RNG and returns token ids, not logits."""
+    why = ("handler.nxdi.on_device_sampling samples on the device, which takes only top_k, "
+           "top_p and temperature per request and returns token ids; turn it off to sample "
+           "on the host")
+    unsupported = {"prompt_logprobs": "handler.backend nxdi returns logits for the last "
+                   "prompt position only, so there are no prompt logprobs; send echo without "
+                   "logprobs, or use backend torch"}
+    if not on_device_sampling:
+        return Capabilities(unsupported)
+    for feature in ("seed", "min_new_tokens", "repetition_penalty", "frequency_penalty",
+                    "presence_penalty", "logprobs"):
+        unsupported[feature] = why
+    return Capabilities(unsupported, max_top_k=global_topk,
+                        max_top_k_setting="handler.nxdi.global_topk, the most the on-device "
+                        "sampler considers")
+
+
+def device_sampling_row(p: SamplingParams, caps: Capabilities, global_topk: int
+                        ) -> list[float]:
+    """(top_k, top_p, temperature) for the on-device sampler (sampling.py:L99-L182), for a
+    request the APIs already checked against `caps` (checked again: the engine is public)."""
+    check_sampling(p, caps)
     if p.greedy:
         return [1.0, 1.0, 1.0]
-    if p.top_k > global_topk:
-        raise RequestError("top_k", f"{p.top_k} exceeds handler.nxdi.global_topk {global_topk}, "
-                           "the most the on-device sampler considers")
     # top_k 0 ("off") becomes global_topk: 0 means uniform there (sampling.py:L133-L134)
     return [float(p.top_k or global_topk), float(p.top_p), float(p.temperature)]
 
@@ -158,6 +175,7 @@ class NxdiBackend(Backend):
         # checked at submit, so a too-long prompt is a 400 for that request
         self.max_prompt_length = min(ctx[-1], config.max_length - 1)
         self.on_device, self.global_topk = x.on_device_sampling, x.global_topk
+        self.capabilities = capabilities(x.on_device_sampling, x.global_topk)
         self._claim = (claim_cores(n, available_cores(n)) if cores is None
                        else CoreClaim(tuple(cores), lock_path(Path(n.core_lock_dir), cores), None))
         try:
@@ -186,8 +204,8 @@ class NxdiBackend(Backend):
         """One model call; the next token of each row, in row order."""
         import torch
 
-        rows = [device_sampling_row(p, self.global_topk) if self.on_device else [1.0, 1.0, 1.0]
-                for p in params]
+        rows = [device_sampling_row(p, self.capabilities, self.global_topk) if self.on_device
+                else [1.0, 1.0, 1.0] for p in params]
         with torch.inference_mode():  # logits are inference tensors: sample inside
             out = self.model.forward(
                 input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -196,8 +214,10 @@ class NxdiBackend(Backend):
                 sampling_params=torch.tensor(rows, dtype=torch.float32))  # [n, 3]
             if self.on_device:  # token ids in place of logits (models/model_base.py:L3851-L3876)
                 return [int(t) for t in out.hidden_states.reshape(-1)]
-            logits = out.logits  # [n, 1, vocab]
-            return [sampler(logits[i, -1]) for i, sampler in enumerate(samplers)]
+            from handlers.sampling import sample_rows
+
+            # [n, 1, vocab] -> [n, vocab]: every row in one batched pass (sampling.py)
+            return sample_rows(out.logits[:, -1], samplers)
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 params: Sequence[SamplingParams]) -> list[int]:

@@ -17,6 +17,13 @@ Never a hardware result.
   random without a seed -- so tests can assert outputs.
 - The slot contract is the torch backend's: prefill into a busy slot raises, and a
   decode must name exactly the running slots.
+- With `handler.synthetic.host_sampling_vocab` (`HostSampling`), every call also
+  "returns" logits [rows, vocab] and the host picks each row's token from them with the
+  batched sampler the Neuron backends use (handlers/sampling.py), after the deadline:
+  on Neuron the host samples once the device has returned its logits, before the next
+  device call can start, so that time lengthens the step. The synthetic token's logit
+  is raised far above the rest first, so greedy and sampled rows both pick it and the
+  outputs stay those without the option.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from handlers.backends.base import Backend, SamplingParams, read_eos_ids
+from handlers.backends.base import Backend, Capabilities, SamplingParams, read_eos_ids
 from handlers.backends.synthetic_timing import DeviceTiming, resolve_timing
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, RequestError
@@ -163,9 +171,67 @@ class _Row:
     key: int  # hash of (prompt, seed): what this row's tokens are a function of
     position: int  # absolute position of the next token
     rng: random.Random | None  # sampling without a seed
+    sampler: Any = None  # handlers.sampling.RowSampler, with host sampling
+
+
+class HostSampling:
+    """The logits a device that leaves sampling to the host returns, and the host's pick.
+
+    One float32 buffer [rows, vocab] of random logits (std 2, about a real model's
+    spread), made once and reused: the point is to pay the host's sampling cost, not to
+    generate numbers. Neuron hands back float32 logits (transformers-neuronx casts them,
+    cast_logits_dtype). A reused buffer may stay partly in the CPU's cache where a
+    device's fresh output would not, so this is a lower bound of that cost. Each pick
+    raises the synthetic tokens' logits to SPIKE for the call and restores them: SPIKE
+    stays the best logit under any penalty a request may ask (repetition <= 10,
+    frequency and presence >= -2 over <= 512 tokens) by >= 9e4, so even at temperature
+    100 every other token's probability is exactly 0 in float32.
+    """
+
+    SPIKE = 1e6
+
+    def __init__(self, rows: int, vocab: int, eos_ids: frozenset[int], seed: int = 0) -> None:
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        self.logits = torch.randn(rows, vocab, generator=generator) * 2  # [rows, vocab]
+        self._values = self.logits.numpy()  # the same memory
+        self._eos = eos_ids
+
+    def sampler(self, params: SamplingParams, prompt: Sequence[int]) -> Any:
+        import torch
+
+        from handlers.sampling import RowSampler
+
+        return RowSampler(params, self._eos, torch.device("cpu"), prompt)
+
+    def pick(self, samplers: Sequence[Any], tokens: list[int]) -> list[int]:
+        """The host's tokens for rows whose synthetic tokens are `tokens` (the same)."""
+        import numpy as np
+        import torch
+
+        from handlers.sampling import sample_rows
+
+        n = len(tokens)
+        at = (np.arange(n), np.asarray(tokens))
+        held = self._values[at].copy()
+        self._values[at] = self.SPIKE
+        try:
+            with torch.inference_mode():
+                chosen = sample_rows(self.logits[:n], samplers)
+        finally:
+            self._values[at] = held
+        if chosen != tokens:
+            raise RuntimeError(f"host sampling chose {chosen} where the synthetic model has "
+                               f"{tokens}")
+        return chosen
 
 
 class SyntheticBackend(Backend):
+    capabilities = Capabilities.lacking(
+        ("repetition_penalty", "frequency_penalty", "presence_penalty", "logprobs",
+         "prompt_logprobs"), "handler.backend synthetic runs no model, so it has no logits")
+
     def __init__(self, checkpoint: Path, config: HandlerConfig, *, tokenizer=None,
                  clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
@@ -183,6 +249,15 @@ class SyntheticBackend(Backend):
         self._timer = StepTimer(clock, sleep)
         self._rows: dict[int, _Row] = {}
         self._decode_s = self.timing.decode_s(self.batch_size)
+        self._host: HostSampling | None = None
+        host_vocab = config.synthetic.host_sampling_vocab
+        if host_vocab:
+            if host_vocab <= max(self.words):
+                raise ConfigError(f"handler.synthetic.host_sampling_vocab: {host_vocab} cannot "
+                                  f"hold the checkpoint's word tokens (ids up to "
+                                  f"{max(self.words)}); set it above that (e.g. the model's "
+                                  f"vocab_size, {vocab}) or to 0")
+            self._host = HostSampling(self.batch_size, host_vocab, self.eos_token_ids)
         logger.info("synthetic device: decode %.2f ms at batch %d, prefill %s ms for buckets "
                     "%s, %d word tokens", self._decode_s * 1000, self.batch_size,
                     list(self.timing.prefill_ms), list(self.timing.buckets), len(self.words))
@@ -206,8 +281,13 @@ class SyntheticBackend(Backend):
                                    f"{self.max_prompt_length}")
         rows = [self._new_row(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
         tokens = [self._next(row) for row in rows]
+        if self._host is not None:
+            for row, prompt, p in zip(rows, prompts, params, strict=True):
+                row.sampler = self._host.sampler(p, prompt)
         self._rows.update(zip(slots, rows, strict=True))
         self._wait(start, self.timing.prefill_s(max(len(p) for p in prompts)))
+        if self._host is not None:  # after the device call, as on Neuron
+            tokens = self._host.pick([row.sampler for row in rows], tokens)
         return tokens
 
     def decode(self, slots: Sequence[int]) -> list[int]:
@@ -216,6 +296,8 @@ class SyntheticBackend(Backend):
             raise ValueError(f"decode of slots {sorted(slots)} but running {sorted(self._rows)}")
         tokens = [self._next(self._rows[s]) for s in slots]
         self._wait(start, self._decode_s)
+        if self._host is not None:  # after the device call, as on Neuron
+            tokens = self._host.pick([self._rows[s].sampler for s in slots], tokens)
         return tokens
 
     def release(self, slots: Sequence[int]) -> None:

@@ -31,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, create_causal_mas
 from handlers.backends.base import Backend, SamplingParams, TokenLogprob
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
-from handlers.sampling import RowSampler, prompt_logprobs
+from handlers.sampling import RowSampler, prompt_logprobs, sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class TorchBackend(Backend):
         # prompt position was ~8% of a 30-token prefill
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
-        tokens = [sampler(out.logits[i, -1]) for i, sampler in enumerate(samplers)]
+        tokens = sample_rows(out.logits[:, -1], samplers)  # one batched pass (sampling.py)
         # nothing above touched the running batch, so a failure leaves it as it was
         self._rows += [_Row(slot, len(prompt), token, sampler) for slot, prompt, token, sampler
                        in zip(slots, prompts, tokens, samplers, strict=True)]
@@ -258,10 +258,10 @@ class TorchBackend(Backend):
         self._mask = F.pad(self._mask, (0, 1), value=1)  # [B, T+1]
         out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=pos,
                          past_key_values=self._cache, use_cache=True)
-        logits = out.logits[:, -1]  # [B, vocab]
-        for i, r in enumerate(rows):
+        tokens = sample_rows(out.logits[:, -1], [r.sampler for r in rows])  # [B, vocab]
+        for r, token in zip(rows, tokens, strict=True):
             r.length += 1
-            r.last_token = r.sampler(logits[i])
+            r.last_token = token
         return [rows[order[s]].last_token for s in slots]
 
     @torch.inference_mode()
@@ -304,12 +304,13 @@ class TorchBackend(Backend):
             self.mixes_prefill = False
             raise RuntimeError(f"{type(self.model).__name__}'s attention did not run the packed "
                                "step; prefill and decode run apart from now on")
-        logits = out.logits[0]  # [B + n, vocab]
         self._mask = batch_mask
-        for i, r in enumerate(rows):
+        # [B + n, vocab]: the running rows, then the newcomers, sampled in one pass
+        tokens = sample_rows(out.logits[0], [r.sampler for r in rows] + samplers)
+        for r, token in zip(rows, tokens[:b], strict=True):
             r.length += 1
-            r.last_token = r.sampler(logits[i])
-        first = [sampler(logits[b + i]) for i, sampler in enumerate(samplers)]
+            r.last_token = token
+        first = tokens[b:]
         decoded = [rows[order[s]].last_token for s in running]
         self._rows += [_Row(slot, len(prompt), token, sampler) for slot, prompt, token, sampler
                        in zip(slots, prompts, first, samplers, strict=True)]

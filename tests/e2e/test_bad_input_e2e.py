@@ -5,7 +5,7 @@ ones all succeed.
 Bodies over TorchServe's max_request_size (6,553,500 bytes by default) never reach the
 handler: the frontend's HttpObjectAggregator answers 413 itself, with an empty body,
 and closes the connection (ServerInitializer.java:58-63). That is what these tests
-expect of the 20 MB bodies (README, "Bad input").
+expect of the 20 MB bodies (docs/request-api.md, "Bad input").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Overdue and abandoned requests free their slots, through a real TorchServe.
 
-TorchServe 0.12 never tells the worker that a client went away (README, "Abandoned
+TorchServe 0.12 never tells the worker that a client went away (docs/design.md, "Abandoned
 requests"), so a request's deadline (`timeout`, or handler.request_timeout_s) is what
 frees its slot. The model here sleeps STEP_S per step, so a 400-token stream holds its
 slot for at least 400 x STEP_S seconds -- a floor, whatever the machine's load -- and

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runtime"))
 
 from handlers.backends import load_backend  # noqa: E402
 from handlers.generation_handler import GenerationHandler  # noqa: E402
-from handlers.service import load_tokenizer  # noqa: E402
+from handlers.engine_start import load_tokenizer  # noqa: E402
 
 
 class FaultyHandler(GenerationHandler):

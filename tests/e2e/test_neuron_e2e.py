@@ -181,3 +181,51 @@ def test_two_workers_compile_once_on_disjoint_cores(tiny_checkpoint, tmp_path_fa
         except AssertionError:
             print(logs(server.run_dir))
             raise
+
+
+def test_micro_batches_honour_each_requests_sampling(tiny_checkpoint, tmp_path_factory) -> None:
+    """transformers-neuronx's sample() takes one parameter set per call: a greedy request
+    and a temperature-1 request arriving together (inside one batch delay) must each get
+    what they get alone, and what sample() cannot honour is a 400 naming the field in
+    both APIs."""
+    import httpx
+
+    root = tmp_path_factory.mktemp("neuron-e2e-micro")
+    spec = _neuron_spec("tiny-neuron-micro", root)
+    spec.handler.update(batching="micro", micro_batch_size=4, batch_delay_ms=400)
+    store = build_store(root, tiny_checkpoint, [spec])
+    greedy = {"prompt": PROMPTS[0], "max_new_tokens": NEW_TOKENS, "temperature": 0.0}
+    hot = {"prompt": PROMPTS[1], "max_new_tokens": NEW_TOKENS, "temperature": 1.0, "seed": 5,
+           "stream": False, "details": True}  # the answer with its token ids
+    with running_server(store, root / "run", [spec.name], env=_env(root)) as server:
+        try:
+            together: list = [None, None]
+
+            def send(i: int, body: dict) -> None:
+                together[i] = post(server, spec.name, body)
+
+            threads = [threading.Thread(target=send, args=(i, b))
+                       for i, b in enumerate((greedy, hot))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert [r.status for r in together] == [200, 200], [r.body for r in together]
+            assert together[0].text == _transformers_text(tiny_checkpoint, PROMPTS[0])
+            alone = post(server, spec.name, hot)
+            assert alone.status == 200
+            # the seeded draw ran as it does alone
+            assert json.loads(together[1].text) == json.loads(alone.text)
+            assert post(server, spec.name, greedy).text == together[0].text
+
+            refused = post(server, spec.name, {"prompt": "hi", "min_new_tokens": 2})
+            assert refused.status == 400
+            assert json.loads(refused.text)["error"]["field"] == "min_new_tokens"
+            url = f"{server.inference_url}/predictions/{spec.name}/1.0/v1/completions"
+            r = httpx.post(url, json={"prompt": "hi", "min_tokens": 2}, timeout=60,
+                           headers={"Authorization": f"Bearer {server.inference_token}"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+            assert "handler.batching micro" in r.json()["error"]["message"]
+        except AssertionError:
+            print(logs(server.run_dir))
+            raise

@@ -362,7 +362,7 @@ def test_errors_reach_openai_clients_in_their_shape(server, base_url, client) ->
                   headers={"Authorization": f"Bearer {server.inference_token}"})
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param",
                                                                 "code"}
-    # decided by TorchServe before the handler runs (README, "OpenAI-compatible API")
+    # decided by TorchServe before the handler runs (docs/openai.md)
     bad_key = openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
         bad_key.models.list()

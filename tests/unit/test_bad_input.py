@@ -21,7 +21,9 @@ from ts.context import Context
 from ts.protocol.otf_message_handler import create_predict_response, retrieve_msg
 from ts.service import Service
 
+from handlers.backends.base import Capabilities
 from handlers.config import parse_config
+from handlers.engine_messages import ModelLimits
 from handlers.generation_handler import GenerationHandler
 from handlers.request import check_length
 from handlers.scheduler import FinishEvent, TextEvent
@@ -199,8 +201,8 @@ class FakeService:
                                                 "defaults": {"max_new_tokens": 8}}})
         self.tokenizer = make_tokenizer()
         self.tokenizer.name_or_path = "/archive/tiny"  # served as "tiny" (no MANIFEST above)
-        self.backend = SimpleNamespace(max_length=64)
-        self.engine = SimpleNamespace(cancel=lambda request_id: None)
+        self.limits = ModelLimits(1, 64, None, Capabilities())
+        self.engine = SimpleNamespace(cancel=lambda request_id: None, down=None)
         self.submitted: list = []
 
     def encode(self, prompt: str) -> list[int]:

@@ -29,7 +29,12 @@ def test_shipped_tiny_config_loads_and_round_trips():
     ({"handler": {"neuron": {"tp_degre": 2}}}, "handler.neuron.tp_degre: unknown key"),
     ({"handler": {"defaults": {"top_p": 0}}}, "top_p 0.0 must be in"),
     ({"handler": {"defaults": {"temperature": 200}}}, "temperature 200.0 in"),
-    ({"handler": {"neuron": {"context_length_estimate": ["a"]}}}, "not prefill lengths"),
+    ({"handler": {"neuron": {"context_length_estimate": [128, "a"]}}},
+     r"handler.neuron.context_length_estimate\[1\]: expected int, got 'a'"),
+    ({"handler": {"neuron": {"compiler_flags": ["-O1", 2]}}},
+     r"handler.neuron.compiler_flags\[1\]: expected str, got 2"),
+    ({"handler": {"nxdi": {"token_generation_buckets": [0]}}},
+     r"handler.nxdi.token_generation_buckets\[0\]: 0 is out of range; allowed \[1, inf\]"),
     ({"handler": {"max_length": 512, "max_new_tokens_limit": 256,
                   "neuron": {"context_length_estimate": [1024]}}}, "not prefill lengths"),
     ({"handler": {"neuron": {"compilation_worker_count": -1}}},
@@ -115,3 +120,64 @@ def test_chat_template_typo_names_the_preset(setting):
 @pytest.mark.parametrize("setting", ["llama-2", "chat.jinja", "templates/chat", "{{ x }}", ""])
 def test_chat_template_presets_files_and_jinja_pass(setting):
     assert parse_config({"handler": {"chat_template": setting}}).handler.chat_template == setting
+
+
+@pytest.mark.parametrize("value, message", [
+    (-1, r"handler.synthetic.host_sampling_vocab: -1 is out of range; allowed \[0, 1000000\]"),
+    (1_000_001, "host_sampling_vocab: 1000001 is out of range"),
+    ("128256", "host_sampling_vocab: expected int"),
+    (True, "host_sampling_vocab: expected int"),
+    (1.5, "host_sampling_vocab: expected int"),
+])
+def test_synthetic_host_sampling_vocab_is_checked(value, message):
+    synthetic = {"decode_step_ms": 10, "host_sampling_vocab": value}
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"handler": {"backend": "synthetic", "synthetic": synthetic}})
+
+
+def test_synthetic_host_sampling_vocab_defaults_off_and_round_trips():
+    cfg = parse_config({"handler": {"backend": "synthetic", "synthetic": {"decode_step_ms": 10}}})
+    assert cfg.handler.synthetic.host_sampling_vocab == 0
+    on = parse_config({"handler": {"backend": "synthetic", "synthetic": {
+        "decode_step_ms": 10, "host_sampling_vocab": 128256}}})
+    assert on.handler.synthetic.host_sampling_vocab == 128256
+    assert parse_config(on.to_yaml_dict()) == on
+    with pytest.raises(ConfigError, match="host_sampling_vocabulary: unknown key; did you mean "
+                                          "'host_sampling_vocab'"):
+        parse_config({"handler": {"backend": "synthetic", "synthetic": {
+            "decode_step_ms": 10, "host_sampling_vocabulary": 128256}}})
+
+
+def test_nested_typed_blocks_are_checked_element_by_element() -> None:
+    """Lists of ints, mappings and nested settings blocks, with the same did-you-mean and
+    the element's path: what quantization and speculation blocks will need."""
+    import dataclasses
+
+    from handlers.config import _build, _opt
+
+    @dataclasses.dataclass(frozen=True)
+    class Draft:
+        checkpoint: str = _opt("draft")
+        speculation_length: int = _opt(4, lo=1, hi=8)
+
+    @dataclasses.dataclass(frozen=True)
+    class Block:
+        layers: list[int] = _opt([], lo=0)
+        scales: dict[str, float] = _opt({})
+        drafts: list[Draft] = _opt([])
+        draft: Draft | None = _opt(None)
+
+    b = _build(Block, {"layers": [0, 3], "scales": {"q": 1, "k": 0.5},
+                       "drafts": [{"speculation_length": 2}], "draft": None}, "x")
+    assert b == Block([0, 3], {"q": 1.0, "k": 0.5}, [Draft("draft", 2)], None)
+    for data, message in [
+        ({"layers": [0, -1]}, r"x.layers\[1\]: -1 is out of range"),
+        ({"scales": {"q": "big"}}, r"x.scales.q: expected float, got 'big'"),
+        ({"scales": {1: 1.0}}, r"x.scales key 1: expected str"),
+        ({"drafts": [{"speculation_lenght": 2}]},
+         r"x.drafts\[0\].speculation_lenght: unknown key; did you mean 'speculation_length'"),
+        ({"draft": {"speculation_length": 9}}, r"x.draft.speculation_length: 9 is out of range"),
+        ({"draft": [1]}, r"x.draft: expected a mapping"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            _build(Block, data, "x")

@@ -23,9 +23,10 @@ import pytest
 from handlers.backends.base import SamplingParams
 from handlers.config import parse_config
 from handlers.engine_client import EngineClient
+from handlers.engine_messages import EngineRequest, StepOutputs
+from handlers.engine_start import EngineSpec
 from handlers.errors import CapacityError, ConfigError
-from handlers.scheduler import ErrorEvent, FinishEvent, Sequence, TextEvent
-from handlers.service import EngineSpec
+from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
 from tests.unit.fakes import CharTokenizer, CountingBackend
 
 needs_torch_backend = pytest.mark.skipif(
@@ -36,11 +37,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class SlowBackend(CountingBackend):
-    """A CountingBackend whose decode takes `step_s`; refuses to load while `broken` exists."""
+    """A CountingBackend whose decode takes `step_s`; refuses to load while `broken` exists,
+    takes 3 s to load while `slow` does."""
 
-    def __init__(self, step_s: float = 0.02, broken: str | None = None, **kw) -> None:
+    def __init__(self, step_s: float = 0.02, broken: str | None = None,
+                 slow: str | None = None, **kw) -> None:
         if broken and os.path.exists(broken):
             raise ConfigError(f"handler.checkpoint: {broken} says the model is broken")
+        if slow and os.path.exists(slow):
+            time.sleep(3)
         super().__init__(**kw)
         self.step_s = step_s
 
@@ -77,21 +82,19 @@ class Stream:
 
 
 def start(tmp_path, batch_size: int = 4, max_queue: int = 8, observer=None,
-          broken: str | None = None, **handler) -> EngineClient:
+          broken: str | None = None, slow: str | None = None, **handler) -> EngineClient:
     config = parse_config({"handler": {"batch_size": batch_size, "max_queue": max_queue,
                                        "max_length": 512, "max_new_tokens_limit": 256,
                                        "warmup": False, **handler}})
     spec = EngineSpec(config, tmp_path, make_tokenizer=CharTokenizer,
-                      make_backend=partial(SlowBackend, broken=broken, batch_size=batch_size,
-                                           max_length=512))
+                      make_backend=partial(SlowBackend, broken=broken, slow=slow,
+                                           batch_size=batch_size, max_length=512))
     return EngineClient.launch(spec, observer, batch_size + max_queue)
 
 
 def submit(client: EngineClient, request_id: str, n: int = 200) -> Stream:
     stream = Stream()
-    client.submit(Sequence(request_id=request_id, prompt_ids=[ord("a")], max_new_tokens=n,
-                           sampling=SamplingParams(), stop=(), sink=stream.sink,
-                           tokenizer=CharTokenizer()))
+    client.submit(EngineRequest(request_id, [ord("a")], n, SamplingParams()), stream.sink)
     return stream
 
 
@@ -126,7 +129,8 @@ def test_a_model_that_fails_to_load_raises_its_own_error(tmp_path):
     broken.touch()
     with pytest.raises(ConfigError, match="says the model is broken") as caught:
         start(tmp_path, broken=str(broken))
-    assert any("raised in the engine process" in note for note in caught.value.__notes__)
+    # the child's traceback is the cause (BaseException.add_note is 3.11+)
+    assert "raised in the engine process" in str(caught.value.__cause__)
 
 
 @needs_torch_backend
@@ -157,6 +161,7 @@ def test_a_failed_restart_answers_503_until_the_model_loads_again(tmp_path, clie
             refused = exc
             break
     assert refused is not None and "broken" in str(refused) and refused.retry_after_s > 0
+    assert client.down is not None and "broken" in client.down  # what the health API reads
     broken.unlink()
     for attempt in range(60):  # the next attempt (after 1, 2, 5 s) loads
         try:
@@ -165,6 +170,26 @@ def test_a_failed_restart_answers_503_until_the_model_loads_again(tmp_path, clie
         except CapacityError:
             time.sleep(0.5)
     assert later.wait_done(30) and isinstance(later.last, FinishEvent)
+    assert client.down is None
+
+
+def test_a_request_waiting_for_a_restart_is_cancelled_at_once(tmp_path, clients):
+    """It never reached an engine process: the worker answers the cancel itself, and the
+    new process never sees it."""
+    slow = tmp_path / "slow"
+    client = start(tmp_path, slow=str(slow))
+    clients.append(client)
+    running = submit(client, "running")
+    assert running.wait_started()
+    slow.touch()
+    os.kill(client.pid, signal.SIGKILL)
+    assert running.wait_done(5) and running.last.status == 500
+    waiting = submit(client, "waiting")  # the new process loads for 3 s
+    kept = submit(client, "kept", n=5)
+    client.cancel("waiting")
+    assert waiting.events == [ErrorEvent(499, "cancelled")]
+    assert kept.wait_done(60) and isinstance(kept.last, FinishEvent)  # sent once it loaded
+    assert waiting.events == [ErrorEvent(499, "cancelled")]
 
 
 def test_cancel_frees_the_slot_in_the_engine_process(tmp_path, clients):
@@ -187,8 +212,9 @@ def test_one_message_carries_every_sequence_of_a_step(tmp_path, clients):
     streams = [submit(client, f"r{i}", n=50) for i in range(4)]
     assert all(s.wait_done() for s in streams)
     assert all(s.last.completion_tokens == 50 for s in streams)
-    events = sum(len(m[1]) for m in messages)
-    assert events >= 4 * 50
+    assert all(isinstance(m, StepOutputs) for m in messages)
+    assert sum(len(m.texts) for m in messages) >= 4 * 50
+    assert sum(len(m.finals) for m in messages) == 4
     assert len(messages) <= 50 + 4  # one per step (4 prefills may arrive apart), not per token
 
 
@@ -254,7 +280,7 @@ def test_engine_process_is_child_or_inline():
 def test_inline_mode_runs_the_model_in_the_worker(tiny_checkpoint):
     import asyncio
 
-    from handlers.engine import Engine
+    from handlers.engine_start import InlineEngine
     from handlers.request import parse_request
     from handlers.service import GenerationService
 
@@ -263,7 +289,8 @@ def test_inline_mode_runs_the_model_in_the_worker(tiny_checkpoint):
                                        "engine_process": "inline"}})
     service = GenerationService.create(config, tiny_checkpoint.parent)
     try:
-        assert isinstance(service.engine, Engine)
+        assert isinstance(service.engine, InlineEngine) and service.engine.down is None
+        assert service.limits == service.engine.limits and service.limits.max_length == 512
 
         async def generate():
             request = parse_request({"prompt": "Hello", "max_new_tokens": 6,

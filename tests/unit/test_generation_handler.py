@@ -16,7 +16,9 @@ import pytest
 from ts.context import Context, RequestProcessor
 from ts.protocol.otf_message_handler import create_predict_response
 
+from handlers.backends.base import Capabilities
 from handlers.config import parse_config
+from handlers.engine_messages import ModelLimits
 from handlers.errors import CapacityError
 from handlers.generation_handler import GenerationHandler
 from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
@@ -38,9 +40,9 @@ class FakeService:
 
     def __init__(self, events: list, full: bool = False) -> None:
         self.config = parse_config({"handler": {}})
-        self.backend = SimpleNamespace(max_length=512)
+        self.limits = ModelLimits(1, 512, None, Capabilities())
         self.tokenizer = SimpleNamespace(name_or_path="tiny")
-        self.engine = SimpleNamespace(cancel=lambda request_id: None)
+        self.engine = SimpleNamespace(cancel=lambda request_id: None, down=None)
         self.events, self.full = events, full
 
     def encode(self, prompt: str) -> list[int]:

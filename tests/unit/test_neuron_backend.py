@@ -16,7 +16,7 @@ import pytest
 
 from handlers.backends.base import SamplingParams
 from handlers.config import parse_config
-from handlers.errors import ConfigError, NeuronUnavailableError, RequestError
+from handlers.errors import ConfigError, GenerationError, NeuronUnavailableError, RequestError
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 RT_VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_CC_FLAGS",
@@ -313,3 +313,41 @@ def test_continuous_logprobs_and_penalties_equal_the_torch_backends(checkpoint, 
     (want, want_lp), (got, got_lp) = runs
     assert got == want
     assert [lp for lp, _ in got_lp] == pytest.approx([lp for lp, _ in want_lp], abs=1e-4)
+
+
+def test_micro_refuses_a_batch_that_samples_differently(checkpoint, tmp_path, fake_sdk) -> None:
+    """sample() takes one parameter set per call (transformers-neuronx@1ade6d7:
+    src/transformers_neuronx/sampling.py:L311-L373): the scheduler groups requests so, and
+    a mixed batch reaching the backend is an error, never a greedy request sampled."""
+    from handlers.backends import capabilities_for
+
+    b = _backend(checkpoint, tmp_path, "micro")
+    assert b.capabilities == capabilities_for(_config(tmp_path, "micro"))
+    assert b.capabilities.shared_sampling
+    hot = SamplingParams(temperature=1.0)
+    for params in ([SamplingParams(), hot], [SamplingParams(temperature=1.0, seed=1)] * 2):
+        with pytest.raises(GenerationError, match="sample differently"):
+            b.prefill([0, 1], PROMPTS, params)
+    b.close()
+
+
+def test_micro_seeded_request_reproduces_and_greedy_rows_stay_greedy(checkpoint, tmp_path,
+                                                                    fake_sdk) -> None:
+    b = _backend(checkpoint, tmp_path, "micro")
+    seeded = SamplingParams(temperature=1.0, seed=11)
+
+    def run(slots: list[int], params: list[SamplingParams], n: int = 5) -> list[list[int]]:
+        rows = [[t] for t in b.prefill(slots, PROMPTS[:len(slots)], params)]
+        for _ in range(n):
+            for row, t in zip(rows, b.decode(slots), strict=True):
+                row.append(t)
+        b.release(slots)
+        return rows
+
+    first = run([0], [seeded])
+    run([0, 1], [SamplingParams(temperature=1.0)] * 2)  # moves the global RNG on
+    assert run([1], [seeded]) == first
+    greedy = run([0, 1], [SamplingParams(), SamplingParams(seed=5, top_k=3)])
+    assert greedy[0] == _reference(checkpoint, PROMPTS[0], 6)
+    assert greedy[1] == _reference(checkpoint, PROMPTS[1], 6)
+    b.close()

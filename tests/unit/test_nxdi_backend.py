@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from handlers.backends.base import SamplingParams
+from handlers.backends.nxdi_backend import capabilities as nxdi_capabilities
 from handlers.config import parse_config
 from handlers.errors import (
     CacheError,
@@ -195,17 +196,27 @@ def test_on_device_sampling_greedy_and_refusals(tiny_checkpoint, tmp_path, fake_
     b.close()
 
 
-@pytest.mark.parametrize("body,field", [({"seed": 1}, "seed"), ({"min_new_tokens": 1},
-                                                                  "min_new_tokens"),
+@pytest.mark.parametrize("body,field", [({"seed": 1, "temperature": 1.0}, "seed"),
+                                        ({"min_new_tokens": 1}, "min_new_tokens"),
                                         ({"temperature": 1.0, "top_k": 300}, "top_k")])
 def test_requests_it_cannot_honour_are_400s_naming_the_field(tmp_path, body, field) -> None:
+    from handlers.backends.capabilities import check_sampling
     from handlers.request import parse_request
 
-    cfg = _config(tmp_path, nxdi={"on_device_sampling": True})
+    def check(cfg) -> None:
+        check_sampling(parse_request({"prompt": "hi", **body}, cfg).sampling,
+                       nxdi_capabilities(cfg.nxdi.on_device_sampling, cfg.nxdi.global_topk))
+
     with pytest.raises(RequestError) as err:
-        parse_request({"prompt": "hi", **body}, cfg)
+        check(_config(tmp_path, nxdi={"on_device_sampling": True}))
     assert err.value.field == field and err.value.status == 400
-    parse_request({"prompt": "hi", **body}, _config(tmp_path))  # host sampling: all fine
+    check(_config(tmp_path))  # host sampling: all fine
+
+
+def test_a_seed_on_a_greedy_request_changes_nothing_so_it_is_honoured(tmp_path) -> None:
+    from handlers.backends.capabilities import check_sampling
+
+    check_sampling(SamplingParams(seed=3), nxdi_capabilities(True, 256))
 
 
 def test_decode_must_cover_every_running_slot(tiny_checkpoint, tmp_path, fake_nxdi) -> None:

@@ -7,9 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from handlers.apis import Immediate, select_api
+from handlers.apis import Immediate
+from handlers.backends import capabilities_for
 from handlers.chat_template import LLAMA2_CHAT, encode_chat, render_chat, resolve_template
 from handlers.config import parse_config
+from handlers.engine_messages import ModelLimits
 from handlers.errors import RequestError
 from handlers.openai_api import (
     ChatCompletionsApi,
@@ -25,6 +27,7 @@ from handlers.openai_framing import (
     OpenAISseFramer,
     ResponseMeta,
 )
+from handlers.routes import select_api
 from handlers.scheduler import FinishEvent
 
 WORDS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>", "hi", "there",
@@ -51,8 +54,9 @@ def tokenizer():
 def make_service(tokenizer, max_length: int = 64, **handler):
     config = parse_config({"handler": {"max_length": max_length, "max_new_tokens_limit": 32,
                                        "defaults": {"max_new_tokens": 8}, **handler}})
+    caps = capabilities_for(config.handler)  # what the loaded backend would declare
     return SimpleNamespace(config=config, tokenizer=tokenizer,
-                           backend=SimpleNamespace(max_length=max_length),
+                           limits=ModelLimits(1, max_length, None, caps),
                            encode=lambda p: list(tokenizer(p)["input_ids"]))
 
 
@@ -250,7 +254,7 @@ def test_models_lists_the_archive_name(tmp_path) -> None:
     (tmp_path / "MAR-INF" / "MANIFEST.json").write_text(json.dumps({"model": {"modelName": "x"}}))
     (tmp_path / "model").mkdir()
     s = SimpleNamespace(tokenizer=SimpleNamespace(name_or_path=str(tmp_path / "model")),
-                        backend=SimpleNamespace(max_length=64))
+                        limits=ModelLimits(1, 64, None))
     out = ModelsApi().prepare(None, "", s)
     assert isinstance(out, Immediate)
     assert [m["id"] for m in json.loads(out.body)["data"]] == ["x"]
@@ -336,13 +340,13 @@ def test_errors_have_openai_shape_in_and_out_of_stream() -> None:
 
 @pytest.mark.parametrize("path, body", [("health", ""), ("/ping", {"status": "Healthy"})])
 def test_health_probes_answer_2xx_while_the_model_is_up(service, path, body) -> None:
-    service.engine = SimpleNamespace()
+    service.engine = SimpleNamespace(down=None)
     out = select_api(path).prepare(None, "", service)
     assert out.body == body or json.loads(out.body) == body
 
 
 def test_health_is_503_while_the_engine_process_restarts(service) -> None:
-    service.engine = SimpleNamespace(_down="OSError: no device")
+    service.engine = SimpleNamespace(down="OSError: no device")
     err = rejects(select_api("health"), None, service, "", 503)
     assert "restarted" in err.message
 

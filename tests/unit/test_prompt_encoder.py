@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import types
 
-from handlers.service import load_tokenizer, prompt_encoder
+from handlers.engine_start import load_tokenizer
+from handlers.service import prompt_encoder
 
 PROMPTS = ["Once upon a time", "", "  two leading spaces", "line\nbreaks\n\nand\ttabs",
            "<s> looks special </s>", "ünïcödé and 🤖", "x" * 300]

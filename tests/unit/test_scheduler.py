@@ -137,3 +137,58 @@ def test_ignore_eos_runs_to_max_new_tokens():
     assert x.add(0, frozenset([0]), 100) is None  # EOS, generated but not an end
     assert x.add(0, frozenset([0]), 100) is None
     assert x.add(66, frozenset([0]), 100) == "length"
+
+
+def _sampled(rid: str, **params) -> Sequence:
+    x = seq(rid)
+    x.sampling = SamplingParams(**params)
+    return x
+
+
+def _grouped(**kw) -> Scheduler:
+    from handlers.backends.capabilities import sampling_group
+
+    return Scheduler(slots=4, policy="micro", micro_batch_size=4,
+                     group=lambda s: sampling_group(s.sampling), **kw)
+
+
+def test_shared_sampling_micro_batches_hold_one_group_oldest_first():
+    """transformers-neuronx's sample() takes one parameter set per call: a greedy request
+    must never share it with a temperature-1 one (it would be sampled)."""
+    s = _grouped(batch_delay_s=0.0)
+    g1, hot, g2, warm, g3 = (_sampled("g1"), _sampled("hot", temperature=1.0),
+                             _sampled("g2", top_k=5), _sampled("warm", temperature=0.7),
+                             _sampled("g3"))
+    for x in (g1, hot, g2, warm, g3):
+        s.submit(x)
+    assert s.admit() == [g1, g2, g3]  # every greedy request, whatever its top_k
+    for x in (g1, g2, g3):
+        s.finish(x)
+    assert s.admit() == [hot]  # the oldest waiting goes next; warm samples differently
+    s.finish(hot)
+    assert s.admit() == [warm]
+
+
+def test_a_seeded_request_runs_alone_at_once_and_the_queue_keeps_its_order():
+    s = _grouped(batch_delay_s=60.0)
+    seeded, same = _sampled("s", temperature=1.0, seed=7), _sampled("t", temperature=1.0, seed=7)
+    s.submit(seeded)
+    s.submit(same)
+    assert s.wait_time() == 0.0  # nothing can join a seeded request: no delay to wait out
+    assert s.admit() == [seeded]
+    s.finish(seeded)
+    assert s.admit() == [same]
+
+
+def test_a_group_waits_for_its_delay_unless_full():
+    s = _grouped(batch_delay_s=60.0)
+    a, b = _sampled("a"), _sampled("b", temperature=1.0)
+    s.submit(a)
+    s.submit(b)
+    now = a.arrived_at
+    assert s.admit(now) == []
+    assert 59 < s.wait_time(now) <= 60
+    for i in range(3):  # the head's group fills up: it starts without waiting
+        s.submit(_sampled(f"g{i}"))
+    assert [x.request_id for x in s.admit(now)] == ["a", "g0", "g1", "g2"]
+    assert list(s.waiting) == [b]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from handlers.backends import load_backend
 from handlers.backends.base import SamplingParams
@@ -316,3 +317,75 @@ def test_the_shipped_synthetic_config_validates(capsys):
         pytest.approx(0.0121)
     assert main(["validate", str(path)]) == 0
     assert "backend synthetic: no Neuron checks" in capsys.readouterr().out
+
+
+# -- host sampling -----------------------------------------------------------------------
+HOST_VOCAB = 4096  # above the tiny checkpoint's 1,024 ids; blocks and a remainder
+
+
+def _host(ckpt: Path, tok, clock: FakeClock | None = None, vocab: int = HOST_VOCAB,
+          **kw) -> SyntheticBackend:
+    return _backend(ckpt, tok, clock, synthetic={"decode_step_ms": 10,
+                                                 "host_sampling_vocab": vocab}, **kw)
+
+
+@pytest.mark.parametrize("params", [
+    GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=3),
+    SamplingParams(temperature=100.0, top_k=2, seed=4), SamplingParams(min_new_tokens=4),
+    SamplingParams(temperature=1e-4, top_p=0.5, seed=5)])
+def test_host_sampling_keeps_the_synthetic_tokens(tiny_checkpoint, tokenizer, params):
+    prompt = [5, 6, 7]
+    want = _run(_backend(tiny_checkpoint, tokenizer), 0, prompt, 12, params)
+    host = _host(tiny_checkpoint, tokenizer)
+    before = host._host.logits.clone()
+    assert _run(host, 0, prompt, 12, params) == want
+    assert torch.equal(host._host.logits, before)  # every raised logit put back
+
+
+def test_host_sampling_of_unseeded_rows_in_a_full_batch(tiny_checkpoint, tokenizer):
+    """Unseeded rows take the batched path; what they pick is the synthetic model's own
+    random word (pick() raises otherwise), alongside greedy rows, at temperatures from
+    near-greedy (the raised logit / T is ~1e10) to the largest a request may ask."""
+    b = _host(tiny_checkpoint, tokenizer, batch_size=8)
+    params = [SamplingParams(temperature=0.8, top_p=0.95), GREEDY,
+              SamplingParams(temperature=1e-4, top_p=0.9),
+              SamplingParams(temperature=100.0, top_k=3)] * 2
+    out = b.prefill(list(range(8)), [[i + 1] for i in range(8)], params)
+    for _ in range(5):
+        out += b.decode(list(range(8)))
+    assert set(out) <= set(b.words)
+
+
+def test_host_sampling_runs_after_the_device_step(tiny_checkpoint, tokenizer, monkeypatch):
+    """On Neuron the host samples the logits a call returned, before the next call can
+    start: its time lengthens the step instead of hiding inside it."""
+    from handlers.backends import synthetic_backend
+
+    clock = FakeClock()
+    events = []
+    b = _host(tiny_checkpoint, tokenizer, clock)
+    sleep, pick = clock.sleep, synthetic_backend.HostSampling.pick
+
+    def timed_sleep(seconds):
+        events.append("device")
+        sleep(seconds)
+
+    def timed_pick(self, samplers, tokens):
+        events.append("host")
+        clock.now += 0.003  # host sampling's time
+        return pick(self, samplers, tokens)
+
+    b._timer._sleep = timed_sleep
+    monkeypatch.setattr(synthetic_backend.HostSampling, "pick", timed_pick)
+    start = clock.now
+    b.prefill([0], [[5]], [GREEDY])
+    b.decode([0])
+    assert events == ["device", "host", "device", "host"]
+    assert clock.now - start == pytest.approx(0.010 + 0.003 + 0.010 + 0.003)
+
+
+def test_host_sampling_vocab_must_hold_the_word_tokens(tiny_checkpoint, tokenizer):
+    with pytest.raises(ConfigError, match="host_sampling_vocab: 100 cannot hold the "
+                                          "checkpoint's word tokens"):
+        _host(tiny_checkpoint, tokenizer, vocab=100)
+    assert _backend(tiny_checkpoint, tokenizer)._host is None  # off by default
