@@ -33,7 +33,7 @@ INFERENCE_PORT, MANAGEMENT_PORT, METRICS_PORT = 8080, 8081, 8082
 CONFIG_DIR = "/etc/inf2serve"
 MODEL_STORE = "/models/model-store"
 PROBE_PERIOD_S = 10
-#: the handler's gauges (handlers/metrics.py) as the Prometheus adapter renames them
+#: the handler's gauges (handlers/torchserve/metrics.py) as the Prometheus adapter renames them
 WAITING, BUSY = "inf2serve_waiting_requests", "inf2serve_busy_slots"
 NVIDIA_GPU_TAINT = "nvidia.com/gpu"  # the taint EKS GPU node groups commonly carry
 

@@ -10,7 +10,7 @@ NeuronCore) or `aws.amazon.com/neuron` (a whole device, all its cores)
 A pod asks for `tp_degree x maxWorkers` NeuronCores; the plugin passes the allocated
 devices and cores (NEURON_RT_VISIBLE_CORES) to the container (deploy/infrastructure/
 scheduler-flow.rst:45, 58-60), from which each worker claims its block
-(handlers/neuron_cores.py). Cores must be
+(handlers/backends/neuron_cores.py). Cores must be
 contiguous, which only the Neuron scheduler extension guarantees (deploy/faq.rst:55-59).
 """
 

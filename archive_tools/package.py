@@ -219,7 +219,7 @@ def check_loads(checkpoint: Path, flag: str) -> Any:
     serving image's (a Neuron SDK's 4.x); the files are the same."""
     from transformers import AutoConfig
 
-    from handlers.engine_start import load_tokenizer
+    from handlers.engine.start import load_tokenizer
 
     try:
         AutoConfig.from_pretrained(checkpoint.resolve())
@@ -271,7 +271,7 @@ def user_handler_class(path: Path) -> str:
         found = f"{len(leaves)} ({', '.join(leaves)})" if leaves else "none"
         raise Inf2ServeError(
             f"--handler {path}: expected one class subclassing GenerationHandler, found {found};"
-            " write `from handlers.generation_handler import GenerationHandler` and "
+            " write `from handlers.torchserve.generation_handler import GenerationHandler` and "
             "`class MyHandler(GenerationHandler): ...` (override make_backend, serve_one, ...)")
     return leaves[0]
 
@@ -414,7 +414,7 @@ def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_d
 def check_chat_template(tokenizer: Any, setting: str) -> None:
     """handler.chat_template renders a one-message chat here as the worker renders every chat
     request (a file is looked up in the checkpoint folder), or every one would answer 500."""
-    from handlers.chat_template import render_chat
+    from handlers.api.chat_template import render_chat
     from handlers.errors import RequestError
 
     try:

@@ -28,14 +28,14 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-import handlers.scheduler as scheduler_module  # noqa: E402
+import handlers.engine.scheduler as scheduler_module  # noqa: E402
 from archive_tools.demo_model import build_demo_model  # noqa: E402
 from archive_tools.loadgen import build_prompts, tokenizer_counter  # noqa: E402
 from handlers.backends.base import SamplingParams  # noqa: E402
 from handlers.backends.torch_backend import TorchBackend  # noqa: E402
 from handlers.config import parse_config  # noqa: E402
-from handlers.engine import Engine  # noqa: E402
-from handlers.scheduler import FinishEvent, Scheduler, Sequence  # noqa: E402
+from handlers.engine.core import Engine  # noqa: E402
+from handlers.engine.scheduler import FinishEvent, Scheduler, Sequence  # noqa: E402
 
 NEW_TOKENS = 64
 PROMPT_TOKENS = 30

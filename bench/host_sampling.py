@@ -3,7 +3,7 @@
 Before issue 25 item 4 every backend that samples on the host picked tokens row by row:
 `[sampler(logits[i]) for i ...]`, a float copy, the warpers (a full-vocabulary sort for
 top-p), softmax, `torch.multinomial` over every token and an `int()` per row. This times
-that loop against one `handlers.sampling.sample_rows` call on the same logits, with the
+that loop against one `handlers.backends.sampling.sample_rows` call on the same logits, with the
 same parameters, per decode step.
 
 Cells: vocabulary 32,000 (Llama-2) and 128,256 (Llama-3); 1, 8 and 32 rows; greedy and
@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from handlers.backends.base import SamplingParams  # noqa: E402
+from handlers.backends.sampling import RowSampler, sample_rows  # noqa: E402
 from handlers.backends.synthetic_backend import StepTimer  # noqa: E402
-from handlers.sampling import RowSampler, sample_rows  # noqa: E402
 
 VOCABS = (32000, 128256)
 ROWS = (1, 8, 32)
@@ -133,7 +133,8 @@ def markdown(doc: dict) -> str:
     m = doc["meta"]
     lines = [f"# Host sampling cost per decode step ({m['host']}, {m['created']})", "",
              "The per-row RowSampler loop every host-sampling backend ran before issue 25 "
-             "item 4, against one `handlers.sampling.sample_rows` call on the same float32 "
+             "item 4, against one `handlers.backends.sampling.sample_rows` call on the same "
+             "float32 "
              "logits (bench/host_sampling.py: the kinds of logits, and how rounds pair). "
              f"Median of {m['rounds']} paired rounds, the order alternating; speed-up = median "
              "of the per-round ratios. 'after a wait': the batched call after a 10 ms wait of "

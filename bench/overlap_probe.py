@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runtime"))
 
-from handlers.generation_handler import GenerationHandler  # noqa: E402
+from handlers.torchserve.generation_handler import GenerationHandler  # noqa: E402
 
 STEP_S = {step_s}
 IDS = list(range(300, 812))  # real ids of the demo vocabulary, never EOS

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from handlers.detokenize import StopMatcher, _automaton  # noqa: E402
+from handlers.engine.detokenize import StopMatcher, _automaton  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "archive_tools" / "data" / "corpus.txt"
 

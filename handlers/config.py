@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
+from handlers.api.chat_template import PRESETS as CHAT_PRESETS
+from handlers.api.chat_template import is_inline
 from handlers.backends.synthetic_timing import PRESETS, resolve_timing
-from handlers.chat_template import PRESETS as CHAT_PRESETS
-from handlers.chat_template import is_inline
 from handlers.errors import ConfigError
 
 MAX_STOP_STRINGS = 8
@@ -154,7 +154,7 @@ class HandlerConfig:
     worker_service: str = _opt(
         "inf2serve", choices=("inf2serve", "torchserve"),
         doc="who runs TorchServe's async protocol in the worker: inf2serve's service "
-            "(handlers/worker_service.py: one writer to the socket, ~1 ms less CPU per "
+            "(handlers/torchserve/worker_service.py: one writer to the socket, ~1 ms less CPU per "
             "request) or TorchServe's own AsyncService")
     chat_template: str = _opt("", doc="OpenAI chat: preset (llama-2), inline Jinja or a file in "
                                       "the checkpoint dir; empty = the tokenizer's template")

@@ -17,7 +17,7 @@ _RUNTIME = str(Path(__file__).resolve().parent / "runtime")
 if _RUNTIME not in sys.path:
     sys.path.insert(0, _RUNTIME)
 
-from handlers.generation_handler import GenerationHandler  # noqa: E402
+from handlers.torchserve.generation_handler import GenerationHandler  # noqa: E402
 
 #: the module of `inf2serve package --handler FILE`; "" = the stock handler
 USER_HANDLER = ""

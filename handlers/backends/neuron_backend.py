@@ -7,7 +7,7 @@ SDK -> from_pretrained -> compile, or load from the versioned compile cache.
 Two runners, picked by handler.batching:
 - continuous: NeuronConfig(continuous_batching=...) with one KV-cache row per slot;
   `forward(input_ids, cache_ids, start_ids=seq_ids)` per prefill/decode and host-side
-  sampling with each request's own parameters (handlers.sampling.RowSampler).
+  sampling with each request's own parameters (handlers.backends.sampling.RowSampler).
 - micro: the SDK's own `sample(..., streamer=)` on the compiled batch, run in a
   thread; the streamer hands each [batch, 1] step to a queue that `decode` drains.
   One parameter set per call, so micro-batches hold requests that sample alike.
@@ -33,10 +33,10 @@ from handlers.backends.base import (
     read_eos_ids,
 )
 from handlers.backends.capabilities import sampling_group
+from handlers.backends.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
+from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
-from handlers.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
-from handlers.neuron_env import apply_neuron_env, cache_root, neuron_env
 from neuron_cache.compile import compile_or_load
 from neuron_cache.key import context_buckets, key_inputs, read_model_config
 from neuron_cache.store import CacheStore
@@ -109,7 +109,7 @@ class NeuronBackend(Backend):
         # checked at submit, so a too-long prompt is a 400 for that request, not a failed batch
         self.max_prompt_length = min(context_buckets(config)[-1], config.max_length - 1)
         # cores given: the TorchServe worker holds their claim for its whole life, so a
-        # restarted engine process gets the same block back (handlers/engine_client.py)
+        # restarted engine process gets the same block back (handlers/engine/client.py)
         self._claim = (claim_cores(n, available_cores(n)) if cores is None
                        else CoreClaim(tuple(cores), lock_path(Path(n.core_lock_dir), cores), None))
         try:
@@ -221,7 +221,7 @@ class _ContinuousRunner:
                 eos_ids: frozenset[int]) -> list[int]:
         import torch
 
-        from handlers.sampling import RowSampler
+        from handlers.backends.sampling import RowSampler
 
         out = []
         for slot, prompt, p in zip(slots, prompts, params, strict=True):
@@ -245,7 +245,7 @@ class _ContinuousRunner:
     def decode(self, slots: list[int]) -> list[int]:
         import torch
 
-        from handlers.sampling import sample_rows
+        from handlers.backends.sampling import sample_rows
 
         missing = [s for s in slots if s not in self.rows]
         if missing:

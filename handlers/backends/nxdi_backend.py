@@ -32,10 +32,10 @@ from handlers.backends.base import (
     read_eos_ids,
 )
 from handlers.backends.capabilities import check_sampling
+from handlers.backends.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
+from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
-from handlers.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
-from handlers.neuron_env import apply_neuron_env, cache_root, neuron_env
 from neuron_cache.compile import compile_or_load
 from neuron_cache.key import key_inputs, nxdi_buckets, read_model_config
 from neuron_cache.store import CacheStore
@@ -214,7 +214,7 @@ class NxdiBackend(Backend):
                 sampling_params=torch.tensor(rows, dtype=torch.float32))  # [n, 3]
             if self.on_device:  # token ids in place of logits (models/model_base.py:L3851-L3876)
                 return [int(t) for t in out.hidden_states.reshape(-1)]
-            from handlers.sampling import sample_rows
+            from handlers.backends.sampling import sample_rows
 
             # [n, 1, vocab] -> [n, vocab]: every row in one batched pass (sampling.py)
             return sample_rows(out.logits[:, -1], samplers)
@@ -223,7 +223,7 @@ class NxdiBackend(Backend):
                 params: Sequence[SamplingParams]) -> list[int]:
         import torch
 
-        from handlers.sampling import RowSampler
+        from handlers.backends.sampling import RowSampler
 
         out = []
         for slot, prompt, p in zip(slots, prompts, params, strict=True):

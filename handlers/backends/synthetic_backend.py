@@ -19,7 +19,7 @@ Never a hardware result.
   decode must name exactly the running slots.
 - With `handler.synthetic.host_sampling_vocab` (`HostSampling`), every call also
   "returns" logits [rows, vocab] and the host picks each row's token from them with the
-  batched sampler the Neuron backends use (handlers/sampling.py), after the deadline:
+  batched sampler the Neuron backends use (handlers/backends/sampling.py), after the deadline:
   on Neuron the host samples once the device has returned its logits, before the next
   device call can start, so that time lengthens the step. The synthetic token's logit
   is raised far above the rest first, so greedy and sampled rows both pick it and the
@@ -171,7 +171,7 @@ class _Row:
     key: int  # hash of (prompt, seed): what this row's tokens are a function of
     position: int  # absolute position of the next token
     rng: random.Random | None  # sampling without a seed
-    sampler: Any = None  # handlers.sampling.RowSampler, with host sampling
+    sampler: Any = None  # handlers.backends.sampling.RowSampler, with host sampling
 
 
 class HostSampling:
@@ -201,7 +201,7 @@ class HostSampling:
     def sampler(self, params: SamplingParams, prompt: Sequence[int]) -> Any:
         import torch
 
-        from handlers.sampling import RowSampler
+        from handlers.backends.sampling import RowSampler
 
         return RowSampler(params, self._eos, torch.device("cpu"), prompt)
 
@@ -210,7 +210,7 @@ class HostSampling:
         import numpy as np
         import torch
 
-        from handlers.sampling import sample_rows
+        from handlers.backends.sampling import sample_rows
 
         n = len(tokens)
         at = (np.arange(n), np.asarray(tokens))

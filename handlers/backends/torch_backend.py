@@ -29,9 +29,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask
 
 from handlers.backends.base import Backend, SamplingParams, TokenLogprob
+from handlers.backends.sampling import RowSampler, prompt_logprobs, sample_rows
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
-from handlers.sampling import RowSampler, prompt_logprobs, sample_rows
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 TorchServe 0.12's async frontend keeps a request in its in-flight map until a
 message for it says `ts_stream_next: false`; the handler ends every answer that
-way (handlers/generation_handler.py, StreamWriter). These tests read the answers
+way (handlers/torchserve/generation_handler.py, StreamWriter). These tests read the answers
 with httpx, curl and the `openai` client, and count the frontend's live request
 objects (org.pytorch.serve.job.RestJob) with the JDK's jcmd: an answer the
 frontend forgot is garbage, one it keeps is not.

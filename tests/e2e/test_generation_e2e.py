@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runtime"))
 
 from handlers.backends import load_backend  # noqa: E402
-from handlers.generation_handler import GenerationHandler  # noqa: E402
-from handlers.engine_start import load_tokenizer  # noqa: E402
+from handlers.torchserve.generation_handler import GenerationHandler  # noqa: E402
+from handlers.engine.start import load_tokenizer  # noqa: E402
 
 
 class FaultyHandler(GenerationHandler):

@@ -43,7 +43,7 @@ import json
 
 from capped_settings import SETTINGS
 
-from handlers.generation_handler import GenerationHandler
+from handlers.torchserve.generation_handler import GenerationHandler
 
 
 class CappedHandler(GenerationHandler):

@@ -21,12 +21,12 @@ from ts.context import Context
 from ts.protocol.otf_message_handler import create_predict_response, retrieve_msg
 from ts.service import Service
 
+from handlers.api.request import check_length
 from handlers.backends.base import Capabilities
 from handlers.config import parse_config
-from handlers.engine_messages import ModelLimits
-from handlers.generation_handler import GenerationHandler
-from handlers.request import check_length
-from handlers.scheduler import FinishEvent, TextEvent
+from handlers.engine.messages import ModelLimits
+from handlers.engine.scheduler import FinishEvent, TextEvent
+from handlers.torchserve.generation_handler import GenerationHandler
 from tests.unit.test_openai_api import make_tokenizer
 from tests.unit.ts_frontend import decode, http_view
 

@@ -81,7 +81,7 @@ def test_deadline_defaults_and_no_cap():
 
 def test_every_defaultable_request_field_has_a_default():
     """README's request table: every field but prompt and timeout takes handler.defaults."""
-    from handlers.request import FIELDS, parse_request
+    from handlers.api.request import FIELDS, parse_request
 
     d = {"max_new_tokens": 9, "min_new_tokens": 3, "temperature": 0.5, "top_k": 7,
          "top_p": 0.9, "stop": ["\n\n"], "seed": 11, "stream": False,

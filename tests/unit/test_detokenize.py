@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from handlers.detokenize import IncrementalDetokenizer, StopMatcher, decoder, lossy_utf8
+from handlers.engine.detokenize import IncrementalDetokenizer, StopMatcher, decoder, lossy_utf8
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +200,7 @@ def test_stop_matcher_edges(stops, chunks, out):
 def test_stop_matcher_work_does_not_grow_with_stop_length():
     """Per feed, the automaton steps once per new character: a stop set of 8 x 256
     characters costs the same steps as one short stop (bounded by the new text)."""
-    from handlers import detokenize
+    from handlers.engine import detokenize
 
     steps = []
     real = detokenize._StopAutomaton.step

@@ -1,8 +1,8 @@
 import pytest
 
 from handlers.backends.base import SamplingParams
-from handlers.engine import Engine
-from handlers.scheduler import ErrorEvent, FinishEvent, Scheduler, Sequence, TextEvent
+from handlers.engine.core import Engine
+from handlers.engine.scheduler import ErrorEvent, FinishEvent, Scheduler, Sequence, TextEvent
 from tests.unit.fakes import CharTokenizer, CountingBackend, PackingBackend
 
 
@@ -419,7 +419,7 @@ def test_the_loop_answers_as_the_serial_step_does():
 def test_a_steps_events_reach_an_event_loop_in_one_wake_up():
     import asyncio
 
-    from handlers.engine import QueueSink
+    from handlers.engine.core import QueueSink
 
     class Loop:
         """Counts cross-thread wake-ups; runs their callbacks at once."""
@@ -453,7 +453,7 @@ def test_a_steps_events_reach_an_event_loop_in_one_wake_up():
 def test_with_on_text_a_sinks_queue_gets_only_the_end():
     import asyncio
 
-    from handlers.engine import QueueSink
+    from handlers.engine.core import QueueSink
 
     class Loop:
         def call_soon_threadsafe(self, fn, *args):
@@ -547,7 +547,7 @@ def test_a_steady_batch_still_sees_a_cancel_a_deadline_and_a_newcomer_at_the_nex
 def test_the_output_side_takes_a_step_only_when_the_last_is_done_and_stops_after_it():
     import threading
 
-    from handlers.engine import OutputThread
+    from handlers.engine.core import OutputThread
 
     release, emitted = threading.Event(), []
 

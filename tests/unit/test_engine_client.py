@@ -22,11 +22,11 @@ import pytest
 
 from handlers.backends.base import SamplingParams
 from handlers.config import parse_config
-from handlers.engine_client import EngineClient
-from handlers.engine_messages import EngineRequest, StepOutputs
-from handlers.engine_start import EngineSpec
+from handlers.engine.client import EngineClient
+from handlers.engine.messages import EngineRequest, StepOutputs
+from handlers.engine.scheduler import ErrorEvent, FinishEvent, TextEvent
+from handlers.engine.start import EngineSpec
 from handlers.errors import CapacityError, ConfigError
-from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
 from tests.unit.fakes import CharTokenizer, CountingBackend
 
 needs_torch_backend = pytest.mark.skipif(
@@ -280,9 +280,9 @@ def test_engine_process_is_child_or_inline():
 def test_inline_mode_runs_the_model_in_the_worker(tiny_checkpoint):
     import asyncio
 
-    from handlers.engine_start import InlineEngine
-    from handlers.request import parse_request
-    from handlers.service import GenerationService
+    from handlers.api.request import parse_request
+    from handlers.engine.start import InlineEngine
+    from handlers.torchserve.service import GenerationService
 
     config = parse_config({"handler": {"checkpoint": tiny_checkpoint.name, "threads": 1,
                                        "max_length": 512, "max_new_tokens_limit": 256,
@@ -311,7 +311,7 @@ def test_inline_mode_runs_the_model_in_the_worker(tiny_checkpoint):
 def test_the_worker_holds_the_core_claim_of_both_neuron_backends(backend, monkeypatch, tmp_path):
     """The claim outlives engine processes (a restart gets the same cores); a failed start
     gives it back."""
-    from handlers import engine_client
+    from handlers.engine import client as engine_client
 
     config = parse_config({"handler": {"backend": backend, "max_length": 64,
                                        "max_new_tokens_limit": 32,

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from handlers.backends.base import Capabilities, SamplingParams
-from handlers.engine import Engine
-from handlers.engine_client import EngineClient
-from handlers.engine_messages import (
+from handlers.engine.client import EngineClient
+from handlers.engine.core import Engine
+from handlers.engine.messages import (
     Cancel,
     EngineRequest,
     LoadFailed,
@@ -24,10 +24,10 @@ from handlers.engine_messages import (
     StepOutputs,
     Stop,
 )
-from handlers.engine_process import Outbox, serve
-from handlers.engine_start import InlineEngine, build_sequence
+from handlers.engine.process import Outbox, serve
+from handlers.engine.scheduler import ErrorEvent, FinishEvent, Scheduler, Sequence, TextEvent
+from handlers.engine.start import InlineEngine, build_sequence
 from handlers.errors import CapacityError, ConfigError
-from handlers.scheduler import ErrorEvent, FinishEvent, Scheduler, Sequence, TextEvent
 from tests.unit.fakes import CharTokenizer, CountingBackend
 
 REQUEST = EngineRequest("r1", [97, 98], 5, SamplingParams(temperature=0.5, top_k=3),

@@ -18,10 +18,10 @@ from ts.protocol.otf_message_handler import create_predict_response
 
 from handlers.backends.base import Capabilities
 from handlers.config import parse_config
-from handlers.engine_messages import ModelLimits
+from handlers.engine.messages import ModelLimits
+from handlers.engine.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.errors import CapacityError
-from handlers.generation_handler import GenerationHandler
-from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
+from handlers.torchserve.generation_handler import GenerationHandler
 from tests.unit.ts_frontend import HttpView, decode, http_view
 
 DONE = FinishEvent("length", 3, 2, "Hi!")

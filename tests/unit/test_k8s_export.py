@@ -180,7 +180,7 @@ def test_hpa_reads_the_adapter_metrics(exported: dict[str, Path]) -> None:
     rules = yaml.safe_load((exported["neuron"] / "prometheus-adapter-values.yaml").read_text())
     exposed = {r["name"]["as"]: r["seriesQuery"] for r in rules["rules"]["custom"]}
     assert sorted(names) == sorted(exposed)
-    # the series are the handler's gauges (handlers/metrics.py KINDS)
+    # the series are the handler's gauges (handlers/torchserve/metrics.py KINDS)
     assert {q.split("{")[0] for q in exposed.values()} == {"WaitingRequests", "BusySlots"}
 
 

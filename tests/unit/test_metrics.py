@@ -1,8 +1,8 @@
 import os
 
-from handlers.engine import Engine
-from handlers.metrics import BUCKETS_MS, Histogram, MetricsReporter, worker_id
-from handlers.scheduler import Scheduler
+from handlers.engine.core import Engine
+from handlers.engine.scheduler import Scheduler
+from handlers.torchserve.metrics import BUCKETS_MS, Histogram, MetricsReporter, worker_id
 from tests.unit.fakes import CountingBackend
 from tests.unit.test_engine import run, submit
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from handlers.backends.neuron_cores import available_cores, claim_cores, core_blocks, parse_cores
 from handlers.config import NeuronSettings
 from handlers.errors import ConfigError
-from handlers.neuron_cores import available_cores, claim_cores, core_blocks, parse_cores
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,7 +70,7 @@ def test_tp_larger_than_host(tmp_path: Path) -> None:
 CLAIM = textwrap.dedent("""
     import sys, time
     from handlers.config import NeuronSettings
-    from handlers.neuron_cores import claim_cores
+    from handlers.backends.neuron_cores import claim_cores
     s = NeuronSettings(tp_degree=2, cores_per_instance=6, core_lock_dir=sys.argv[1])
     claim = claim_cores(s, range(6))
     print(",".join(map(str, claim.cores)), flush=True)

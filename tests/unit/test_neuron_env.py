@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from handlers.backends.neuron_env import apply_neuron_env, format_cores, neuron_env
 from handlers.config import parse_config
 from handlers.errors import ConfigError
-from handlers.neuron_env import apply_neuron_env, format_cores, neuron_env
 
 
 def _cfg(**neuron):

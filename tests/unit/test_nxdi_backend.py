@@ -200,8 +200,8 @@ def test_on_device_sampling_greedy_and_refusals(tiny_checkpoint, tmp_path, fake_
                                         ({"min_new_tokens": 1}, "min_new_tokens"),
                                         ({"temperature": 1.0, "top_k": 300}, "top_k")])
 def test_requests_it_cannot_honour_are_400s_naming_the_field(tmp_path, body, field) -> None:
+    from handlers.api.request import parse_request
     from handlers.backends.capabilities import check_sampling
-    from handlers.request import parse_request
 
     def check(cfg) -> None:
         check_sampling(parse_request({"prompt": "hi", **body}, cfg).sampling,
@@ -246,7 +246,7 @@ def test_config_rules(tmp_path) -> None:
 def test_missing_sdk_names_the_install(tiny_checkpoint, tmp_path, monkeypatch) -> None:
     for var in RT_VARS:
         monkeypatch.setenv(var, "")
-    from handlers.neuron_cores import available_cores, claim_cores
+    from handlers.backends.neuron_cores import available_cores, claim_cores
 
     with pytest.raises(NeuronUnavailableError, match="neuronx-distributed-inference"):
         _backend(tiny_checkpoint, tmp_path)

@@ -7,28 +7,28 @@ from types import SimpleNamespace
 
 import pytest
 
-from handlers.apis import Immediate
-from handlers.backends import capabilities_for
-from handlers.chat_template import LLAMA2_CHAT, encode_chat, render_chat, resolve_template
-from handlers.config import parse_config
-from handlers.engine_messages import ModelLimits
-from handlers.errors import RequestError
-from handlers.openai_api import (
+from handlers.api.chat_template import LLAMA2_CHAT, encode_chat, render_chat, resolve_template
+from handlers.api.native import Immediate
+from handlers.api.openai import (
     ChatCompletionsApi,
     CompletionsApi,
     ModelsApi,
     UnknownEndpoint,
     served_name,
 )
-from handlers.openai_framing import (
+from handlers.api.openai_framing import (
     DONE,
     OpenAIErrorFramer,
     OpenAIJsonFramer,
     OpenAISseFramer,
     ResponseMeta,
 )
-from handlers.routes import select_api
-from handlers.scheduler import FinishEvent
+from handlers.api.routes import select_api
+from handlers.backends import capabilities_for
+from handlers.config import parse_config
+from handlers.engine.messages import ModelLimits
+from handlers.engine.scheduler import FinishEvent
+from handlers.errors import RequestError
 
 WORDS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>", "hi", "there",
          "be", "brief", "ok"]

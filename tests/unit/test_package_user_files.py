@@ -15,7 +15,7 @@ from archive_tools.cli import main
 from tests.unit.test_cli_package import CONFIG, bytes_written, make_checkpoint
 
 HANDLER = '''
-from handlers.generation_handler import GenerationHandler
+from handlers.torchserve.generation_handler import GenerationHandler
 
 
 class Base(GenerationHandler):
@@ -143,7 +143,8 @@ def test_bad_input_names_the_flag(ckpt: Path, user: dict, tmp_path: Path, capsys
             "--out", str(tmp_path / "store")]
     bad = d / "bad.py"
     sources = {"handler_not_ours": "class H:\n    pass\n",
-               "handler_two": "from handlers.generation_handler import GenerationHandler\n"
+               "handler_two": "from handlers.torchserve.generation_handler import "
+                              "GenerationHandler\n"
                               "class A(GenerationHandler): pass\n"
                               "class B(GenerationHandler): pass\n",
                "handler_syntax": "class (:\n"}

@@ -1,12 +1,12 @@
-"""handlers/service.py prompt_encoder: the Rust tokenizer's ids only where they equal the
+"""handlers/torchserve/service.py prompt_encoder: the Rust tokenizer's ids only where they equal the
 wrapper's, so a faster tokenization never changes a prompt."""
 
 from __future__ import annotations
 
 import types
 
-from handlers.engine_start import load_tokenizer
-from handlers.service import prompt_encoder
+from handlers.engine.start import load_tokenizer
+from handlers.torchserve.service import prompt_encoder
 
 PROMPTS = ["Once upon a time", "", "  two leading spaces", "line\nbreaks\n\nand\ttabs",
            "<s> looks special </s>", "ünïcödé and 🤖", "x" * 300]

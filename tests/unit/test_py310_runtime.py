@@ -60,8 +60,8 @@ def test_a_model_that_fails_to_load_in_the_engine_process_reaches_the_caller(tmp
     """The default child mode: the engine process's own exception (type and message), with
     its traceback text as the cause, never an AttributeError from the path reporting it
     (`BaseException.add_note` is 3.11+)."""
-    from handlers.engine_client import EngineClient, RemoteTraceback
-    from handlers.engine_start import EngineSpec
+    from handlers.engine.client import EngineClient, RemoteTraceback
+    from handlers.engine.start import EngineSpec
     from tests.unit.fakes import CharTokenizer
 
     config = parse_config({"handler": {"batch_size": 2, "engine_process": "child"}})

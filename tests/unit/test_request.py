@@ -1,8 +1,8 @@
 import pytest
 
+from handlers.api.request import check_length, decode_body, parse_request
 from handlers.config import parse_config
 from handlers.errors import RequestError
-from handlers.request import check_length, decode_body, parse_request
 
 CFG = parse_config({"handler": {"max_length": 128, "max_new_tokens_limit": 64,
                                 "defaults": {"max_new_tokens": 16}}}).handler

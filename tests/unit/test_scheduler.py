@@ -1,8 +1,8 @@
 import pytest
 
 from handlers.backends.base import SamplingParams
+from handlers.engine.scheduler import Scheduler, Sequence
 from handlers.errors import CapacityError
-from handlers.scheduler import Scheduler, Sequence
 from tests.unit.fakes import CharTokenizer
 
 

@@ -1,4 +1,5 @@
-"""handlers/worker_service.py: TorchServe 0.12's async worker protocol, served by inf2serve.
+"""handlers/torchserve/worker_service.py: TorchServe 0.12's async worker protocol, served by
+inf2serve.
 
 Messages go in as the frontend encodes them (the format TorchServe's own decoder reads:
 pytorch/serve@v0.12.0:ts/protocol/otf_message_handler.py:236-365) over a real socket pair,
@@ -21,8 +22,8 @@ from ts.context import Context
 from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
 from ts.utils.util import PredictionException
 
-from handlers import worker_service
-from handlers.worker_service import WorkerService
+from handlers.torchserve import worker_service
+from handlers.torchserve.worker_service import WorkerService
 from tests.unit.ts_frontend import decode
 
 

@@ -1,7 +1,7 @@
 """The TorchServe worker's side of the engine process: start it, relay, answer for it.
 
 The worker keeps TorchServe's socket, the tokenizer and the HTTP framing; the engine
-process (handlers/engine_process.py) holds the model. When that process dies -- SIGKILL,
+process (handlers/engine/process.py) holds the model. When that process dies -- SIGKILL,
 the OOM killer, a Neuron runtime abort -- the pipe closes, and within one poll the
 worker answers each request it had sent there with a 500 (an in-band error if the
 stream had started) and starts a new one, which loads from the compile cache.
@@ -11,7 +11,7 @@ they get a 503 and the worker keeps retrying with a growing pause.
 The worker keeps each request it sent as the `EngineRequest` it sent and the sink it
 answers to: enough to send it again or answer for it. It builds no engine `Sequence`;
 detokenizing and stop strings happen in the engine process. The messages and the handle
-it implements are in handlers/engine_messages.py.
+it implements are in handlers/engine/messages.py.
 
 Start method `spawn`: the worker already runs threads (TorchServe's async service
 has three), and a fork would copy the locks they hold; a spawned interpreter starts
@@ -43,11 +43,12 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from handlers import engine_process
 from handlers.backends.base import Backend
+from handlers.backends.neuron_cores import CoreClaim, available_cores, claim_cores
 from handlers.config import ModelConfig
-from handlers.engine import Observer, QueueSink
-from handlers.engine_messages import (
+from handlers.engine import process as engine_process
+from handlers.engine.core import Observer, QueueSink
+from handlers.engine.messages import (
     Cancel,
     EngineRequest,
     FromEngine,
@@ -58,10 +59,9 @@ from handlers.engine_messages import (
     Stop,
     ToEngine,
 )
-from handlers.engine_start import EngineSpec
+from handlers.engine.scheduler import ErrorEvent, Event, Sink, TextEvent
+from handlers.engine.start import EngineSpec
 from handlers.errors import CapacityError, EngineProcessError
-from handlers.neuron_cores import CoreClaim, available_cores, claim_cores
-from handlers.scheduler import ErrorEvent, Event, Sink, TextEvent
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Protocol
 
-from handlers.scheduler import FinishEvent
+from handlers.engine.scheduler import FinishEvent
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 499: "cancelled",
                503: "overloaded_error", 504: "timeout"}

@@ -4,10 +4,10 @@ When a worker process dies, TorchServe 0.12's async frontend answers only the re
 its worker thread was sending; every other request of that worker waits forever
 (pytorch/serve@v0.12.0:frontend/server/src/main/java/org/pytorch/serve/wlm/
 AsyncWorkerThread.java:144-147). So the model -- what an OOM kill or a Neuron runtime
-abort takes down -- runs here, and the worker (handlers/engine_client.py) answers for it.
+abort takes down -- runs here, and the worker (handlers/engine/client.py) answers for it.
 
 This side runs the same `Engine` as inline mode and talks to the worker over one
-pipe, in the messages of handlers/engine_messages.py: it gets `EngineRequest`, `Cancel`
+pipe, in the messages of handlers/engine/messages.py: it gets `EngineRequest`, `Cancel`
 and `Stop`, and answers once `Ready` (or `LoadFailed`), then one `StepOutputs` per
 engine step -- every event and metric observation of the step in one message (vLLM's
 engine core batches its outputs the same way), the text events as plain fields.
@@ -24,8 +24,8 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 
-from handlers.engine import Engine
-from handlers.engine_messages import (
+from handlers.engine.core import Engine
+from handlers.engine.messages import (
     Cancel,
     EngineRequest,
     FinalItem,
@@ -36,9 +36,9 @@ from handlers.engine_messages import (
     Stop,
     TextItem,
 )
-from handlers.engine_start import EngineSpec, build_sequence, model_limits, start_engine
+from handlers.engine.scheduler import ErrorEvent, Event, Sink, TextEvent
+from handlers.engine.start import EngineSpec, build_sequence, model_limits, start_engine
 from handlers.errors import CapacityError
-from handlers.scheduler import ErrorEvent, Event, Sink, TextEvent
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """OpenAI-compatible completions, chat completions and model listing.
 
 Reached as /predictions/{model}/{version}/v1/... (TorchServe passes the tail as the
-`url_path` header; see handlers/apis.py). An OpenAI body is checked against the
+`url_path` header; see handlers/api/native.py). An OpenAI body is checked against the
 fields this server honours, mapped onto the native fields and validated by the
 same `parse_request`, so batching, limits and streaming are the native ones; only
 the names in errors (max_tokens, messages) and the wire format are OpenAI's.
 Fields clients send with harmless default values are accepted; any other value,
 and any unknown field, is rejected naming the field. The fields beyond the native
-ones (penalties, logprobs, ignore_eos, ...) live in handlers/openai_extensions.py;
+ones (penalties, logprobs, ignore_eos, ...) live in handlers/api/openai_extensions.py;
 the probes clients send before a run (health, ping, version, v1/models) are here.
 """
 
@@ -22,18 +22,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from handlers.apis import Api, Immediate, Prepared
-from handlers.chat_template import encode_chat, render_chat
-from handlers.errors import RequestError
-from handlers.openai_extensions import EXTENSIONS, extensions, logprobs_asked, stream_options
-from handlers.openai_framing import OpenAIErrorFramer, ResponseMeta, openai_framer
-from handlers.request import (
+from handlers.api.chat_template import encode_chat, render_chat
+from handlers.api.native import Api, Immediate, Prepared
+from handlers.api.openai_extensions import EXTENSIONS, extensions, logprobs_asked, stream_options
+from handlers.api.openai_framing import OpenAIErrorFramer, ResponseMeta, openai_framer
+from handlers.api.request import (
     GenerationRequest,
     check_length,
     closest_hint,
     decode_body,
     parse_request,
 )
+from handlers.errors import RequestError
 
 # OpenAI field -> native field, for the fields we honour
 MAPPED = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
@@ -394,7 +394,7 @@ ROUTES: dict[str, Callable[[], Api]] = {
 
 
 def openai_api(path: str) -> Api:
-    """The Api for a url_path (called by handlers.routes.select_api for any non-empty path)."""
+    """The Api for a url_path (called by handlers.api.routes.select_api for any non-empty path)."""
     path = path.strip("/")
     if path.startswith("v1/models/") and path.count("/") == 2:
         return ModelApi(path.rsplit("/", 1)[1])

@@ -1,15 +1,15 @@
 """Which API a request speaks, chosen by the path after /predictions/{model}/{version}/.
 
 TorchServe 0.12 forwards extra path segments as the `url_path` request header: none is
-the native API (handlers/apis.py); anything else is the OpenAI-compatible surface
-(handlers/openai_api.py), which builds on the native contract. Routing lives apart from
+the native API (handlers/api/native.py); anything else is the OpenAI-compatible surface
+(handlers/api/openai.py), which builds on the native contract. Routing lives apart from
 both so that neither imports the other back.
 """
 
 from __future__ import annotations
 
-from handlers.apis import Api, NativeApi
-from handlers.openai_api import openai_api
+from handlers.api.native import Api, NativeApi
+from handlers.api.openai import openai_api
 
 
 def select_api(url_path: str | None) -> Api:

@@ -43,7 +43,7 @@ from concurrent.futures import Future
 from typing import NamedTuple
 
 from handlers.backends.base import Backend
-from handlers.scheduler import ErrorEvent, Event, Scheduler, Sequence, TextEvent
+from handlers.engine.scheduler import ErrorEvent, Event, Scheduler, Sequence, TextEvent
 
 logger = logging.getLogger(__name__)
 

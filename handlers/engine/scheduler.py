@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from handlers.backends.base import SamplingParams, TokenLogprob
-from handlers.detokenize import IncrementalDetokenizer, StopMatcher, Tokenizer
+from handlers.engine.detokenize import IncrementalDetokenizer, StopMatcher, Tokenizer
 from handlers.errors import CapacityError
 
 
@@ -63,7 +63,7 @@ class Sequence:
     Split between two threads: the engine thread records token ids and the finish they
     decide (`add`; the output side does, in order, for a decode known to finish nobody);
     the output side turns them into text and finds stop strings (`render`, `cut`), one
-    step behind (handlers/engine.py)."""
+    step behind (handlers/engine/core.py)."""
 
     request_id: str
     prompt_ids: list[int]

@@ -8,7 +8,7 @@ sends the answer. Measured on the synthetic device (bench/device_bound.py's arch
 1-token requests, 32 closed-loop streams): ~2.4 ms of worker CPU per request, serial
 under the GIL, so a burst of 32 arrivals waited ~80 ms for its first tokens. And that
 sending thread writes the frontend's socket beside the handler's own chunk writes
-(handlers/generation_handler.py ChunkSender) with no common lock.
+(handlers/torchserve/generation_handler.py ChunkSender) with no common lock.
 
 `WorkerService` speaks the same protocol through TorchServe's own decoder and encoder
 (ts/protocol/otf_message_handler.py) with one reader thread; the event loop does the

@@ -1,6 +1,6 @@
 """OpenAI wire formats: JSON bodies and server-sent events for completions and chat.
 
-Framers follow handlers/framing.py's protocol, so the handler streams OpenAI
+Framers follow handlers/api/framing.py's protocol, so the handler streams OpenAI
 exactly as it streams the native contract. Each `chunk` is one SSE event, which
 the handler sends as its own intermediate response (one event per chunk on the
 wire); `final` carries the finish_reason event, the optional usage event and
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from handlers.api.framing import ERROR_TYPES
 from handlers.backends.base import TokenLogprob
-from handlers.framing import ERROR_TYPES
-from handlers.scheduler import FinishEvent
+from handlers.engine.scheduler import FinishEvent
 
 DONE = "data: [DONE]\n\n"
 # OpenAI answers an unknown URL with invalid_request_error; other statuses as natively

@@ -17,17 +17,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from handlers import worker_service
-from handlers.apis import Immediate, NativeApi
+from handlers.api.framing import Framer, native_framer
+from handlers.api.native import Immediate, NativeApi
+from handlers.api.routes import select_api
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig, parse_config
-from handlers.engine import Observer
+from handlers.engine.core import Observer
+from handlers.engine.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.errors import CapacityError, RequestError
-from handlers.framing import Framer, native_framer
-from handlers.metrics import MetricsReporter, worker_id
-from handlers.routes import select_api
-from handlers.scheduler import ErrorEvent, FinishEvent, TextEvent
-from handlers.service import GenerationService
+from handlers.torchserve import worker_service
+from handlers.torchserve.metrics import MetricsReporter, worker_id
+from handlers.torchserve.service import GenerationService
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +214,8 @@ class GenerationHandler:
     def initialize(self, context: Any) -> None:
         config = parse_config(context.model_yaml_config)
         if config.handler.worker_service == "inf2serve" and worker_service.install():
-            logger.info("TorchServe's async requests run through handlers/worker_service.py")
+            logger.info("TorchServe's async requests run through "
+                        "handlers/torchserve/worker_service.py")
         model_dir = Path(context.system_properties["model_dir"])
         overridden = type(self).make_backend is not GenerationHandler.make_backend
         self.service = GenerationService.create(
@@ -313,8 +314,8 @@ class GenerationHandler:
 
     @staticmethod
     def _observer(context: Any) -> Observer:
-        """Engine observations -> TorchServe custom metrics, emitted by handlers/metrics.py's
-        thread (TorchServe's metric objects log a line per update)."""
+        """Engine observations -> TorchServe custom metrics, emitted by the thread of
+        handlers/torchserve/metrics.py (TorchServe's metric objects log a line per update)."""
         from ts.metrics.metric_type_enum import MetricTypes
 
         types = {"counter": MetricTypes.COUNTER, "gauge": MetricTypes.GAUGE}

@@ -1,8 +1,8 @@
 """The contract between the TorchServe worker and the engine: messages and one handle.
 
 The engine runs either in the worker (handler.engine_process: inline) or in a child
-process the worker supervises (child: handlers/engine_process.py,
-handlers/engine_client.py). Either way the worker side sees an `EngineHandle`, hands
+process the worker supervises (child: handlers/engine/process.py,
+handlers/engine/client.py). Either way the worker side sees an `EngineHandle`, hands
 it an `EngineRequest` plus the sink its events go to, and never builds an engine
 `Sequence` (detokenizer, stop matcher) itself: that belongs where the model runs.
 
@@ -16,7 +16,7 @@ step, not per token per sequence. A step's text events travel as plain field tup
 error) go as the objects the sinks receive.
 
 This module imports only the event and parameter types, so both sides (and the inline
-adapter in handlers/engine_start.py) can import it without importing each other.
+adapter in handlers/engine/start.py) can import it without importing each other.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from handlers.backends.base import Capabilities, SamplingParams
-from handlers.scheduler import ErrorEvent, FinishEvent, Sink
+from handlers.engine.scheduler import ErrorEvent, FinishEvent, Sink
 
 
 @dataclass(frozen=True)

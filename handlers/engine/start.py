@@ -1,11 +1,11 @@
 """The model side of a worker: tokenizer, backend and scheduler under one engine.
 
 Built the same way in the worker itself (handler.engine_process: inline) and in the
-engine process (child: handlers/engine_process.py), from an `EngineSpec` that pickles
+engine process (child: handlers/engine/process.py), from an `EngineSpec` that pickles
 across the process boundary. Both turn an `EngineRequest` into the engine's `Sequence`
 with `build_sequence`, so a request means the same in either mode; `InlineEngine` is
-the inline mode's `EngineHandle`, the child mode's is handlers/engine_client.py. The
-worker side (handlers/service.py) and the engine process both build on this module; it
+the inline mode's `EngineHandle`, the child mode's is handlers/engine/client.py. The
+worker side (handlers/torchserve/service.py) and the engine process both build on this module; it
 imports neither, so neither imports the other.
 """
 
@@ -22,9 +22,9 @@ from handlers.backends import load_backend
 from handlers.backends.base import Backend
 from handlers.backends.capabilities import check_defaults, sampling_group
 from handlers.config import ModelConfig
-from handlers.engine import Engine, Observer
-from handlers.engine_messages import EngineRequest, ModelLimits
-from handlers.scheduler import Scheduler, Sequence, Sink
+from handlers.engine.core import Engine, Observer
+from handlers.engine.messages import EngineRequest, ModelLimits
+from handlers.engine.scheduler import Scheduler, Sequence, Sink
 
 logger = logging.getLogger(__name__)
 

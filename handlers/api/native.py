@@ -3,7 +3,7 @@
 An API turns a request body into a validated GenerationRequest plus the framer that
 writes its answer (or an immediate answer, e.g. a model listing). Every API shares the
 same engine, batching, streaming and validation: there is no second code path for
-generation. Which API a request speaks is chosen by its path (handlers/routes.py).
+generation. Which API a request speaks is chosen by its path (handlers/api/routes.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from handlers.api.framing import Framer, TextFramer, native_framer
+from handlers.api.request import GenerationRequest, decode_body, parse_request
 from handlers.backends.capabilities import check_sampling
-from handlers.framing import Framer, TextFramer, native_framer
-from handlers.request import GenerationRequest, decode_body, parse_request
 
 
 @dataclass(frozen=True)

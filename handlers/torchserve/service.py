@@ -1,9 +1,9 @@
 """Everything a worker holds, built once from the typed config; no TorchServe import.
 
-config -> tokenizer + engine (handlers/engine_start.py), the engine in the worker itself
+config -> tokenizer + engine (handlers/engine/start.py), the engine in the worker itself
 (handler.engine_process: inline) or in a supervised child process (child, the default:
-handlers/engine_client.py). Either way the service holds one `EngineHandle` and the
-model's `ModelLimits` (handlers/engine_messages.py), so nothing above it asks which
+handlers/engine/client.py). Either way the service holds one `EngineHandle` and the
+model's `ModelLimits` (handlers/engine/messages.py), so nothing above it asks which
 mode runs. `GenerationService.submit` turns a validated request into an `EngineRequest`
 whose events arrive on an asyncio queue, which is all the TorchServe adapter needs.
 """
@@ -17,13 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from handlers.api.request import GenerationRequest, check_length
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig
-from handlers.engine import Observer, QueueSink
-from handlers.engine_messages import EngineHandle, EngineRequest, ModelLimits
-from handlers.engine_start import EngineSpec, InlineEngine, load_tokenizer
-from handlers.request import GenerationRequest, check_length
-from handlers.scheduler import Event
+from handlers.engine.core import Observer, QueueSink
+from handlers.engine.messages import EngineHandle, EngineRequest, ModelLimits
+from handlers.engine.scheduler import Event
+from handlers.engine.start import EngineSpec, InlineEngine, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class GenerationService:
             inline = InlineEngine.start(EngineSpec(config, model_dir, make_backend=make_backend),
                                         observer)
             return cls(config, inline.tokenizer, inline.limits, inline)
-        from handlers.engine_client import EngineClient
+        from handlers.engine.client import EngineClient
 
         client = EngineClient.start(config, model_dir, observer, make_backend)
         tokenizer = load_tokenizer(model_dir / config.handler.checkpoint)

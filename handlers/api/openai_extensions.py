@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from handlers.api.request import bounded_float
 from handlers.backends.base import Capabilities, SamplingParams
 from handlers.backends.capabilities import check_sampling
 from handlers.errors import RequestError
-from handlers.request import bounded_float
 
-# honoured beyond the native fields (handlers/sampling.py applies them)
+# honoured beyond the native fields (handlers/backends/sampling.py applies them)
 EXTENSIONS = ("ignore_eos", "repetition_penalty", "frequency_penalty", "presence_penalty")
 #: SamplingParams features under the names OpenAI clients send (backends/capabilities.py)
 OPENAI_NAMES = {"min_new_tokens": "min_tokens", "prompt_logprobs": "echo"}
