@@ -45,12 +45,12 @@ def sleep_backend(batch_size):
             self.max_prompt_length, self.eos_token_ids = 511, frozenset([2])
             self.n = {{}}
 
-        def prefill(self, slots, prompts, params):  # no device time: decode steps only
+        def _prefill(self, slots, prompts, params):  # no device time: decode steps only
             for s in slots:
                 self.n[s] = 0
             return [IDS[0] for _ in slots]
 
-        def decode(self, slots):
+        def _decode(self, slots):
             time.sleep(STEP_S)
             out = []
             for s in slots:
@@ -58,7 +58,7 @@ def sleep_backend(batch_size):
                 out.append(IDS[self.n[s] % len(IDS)])
             return out
 
-        def release(self, slots):
+        def _release(self, slots):
             for s in slots:
                 self.n.pop(s, None)
 

@@ -1,7 +1,9 @@
 """The contract between the scheduler and a model runtime.
 
 A backend owns `batch_size` slots (the compiled batch on Neuron) and runs the
-model on them; it never decides who runs. The engine calls, from one thread:
+model on them; it never decides who runs. The engine calls, from one thread (the slot
+rules -- prefill into free, distinct slots; decode every running slot -- are checked
+here, once, around each backend's own `_prefill`/`_decode`/`_release`/`_step`):
 
     prefill(slots, prompts, params) -> first token of each new sequence
     decode(slots)                   -> next token of every running sequence
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+from handlers.errors import GenerationError
 
 GREEDY_BELOW = 1e-5
 
@@ -97,6 +101,10 @@ class Capabilities:
 TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
+class SlotError(GenerationError):
+    """The engine broke the slot contract: a bug upstream, failing that call only."""
+
+
 class Backend(ABC):
     """Runs a causal LM on a fixed number of slots."""
 
@@ -113,29 +121,82 @@ class Backend(ABC):
     #: what requests it honours (default: host sampling from full logits, everything)
     capabilities: Capabilities = Capabilities()
 
-    @abstractmethod
-    def prefill(
-        self,
-        slots: Sequence[int],
-        prompts: Sequence[Sequence[int]],
-        params: Sequence[SamplingParams],
-    ) -> list[int]:
+    # -- the contract, enforced here once; backends implement the underscored methods ---
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                params: Sequence[SamplingParams]) -> list[int]:
         """Start a sequence in each (free) slot; return each one's first generated token."""
+        self._check_new(slots, prompts, params)
+        tokens = self._prefill(list(slots), list(prompts), list(params))
+        self._busy().update(slots)  # only once it ran: a failed prefill took no slot
+        return tokens
 
-    @abstractmethod
     def decode(self, slots: Sequence[int]) -> list[int]:
         """One step for the running sequences in `slots` (all of them); next token of each."""
+        self._check_running(slots)
+        return self._decode(list(slots))
 
-    @abstractmethod
     def release(self, slots: Sequence[int]) -> None:
-        """Free the slots of finished or failed sequences."""
+        """Free the slots of finished or failed sequences (a free slot is ignored)."""
+        try:
+            self._release(list(slots))
+        finally:
+            self._busy().difference_update(slots)
 
     def step(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
              params: Sequence[SamplingParams], running: Sequence[int]
              ) -> tuple[list[int], list[int]]:
         """`prefill(slots, ...)` and `decode(running)` as one call, for backends where that
         is cheaper (`mixes_prefill`). On failure the running batch must be as it was."""
+        if not self.mixes_prefill:
+            raise NotImplementedError(f"{type(self).__name__} does not mix prefill into decode")
+        self._check_new(slots, prompts, params)
+        self._check_running(running)
+        first, following = self._step(list(slots), list(prompts), list(params), list(running))
+        self._busy().update(slots)
+        return first, following
+
+    @abstractmethod
+    def _prefill(self, slots: list[int], prompts: list[Sequence[int]],
+                 params: list[SamplingParams]) -> list[int]:
+        """`prefill` for free, distinct, in-range slots."""
+
+    @abstractmethod
+    def _decode(self, slots: list[int]) -> list[int]:
+        """`decode` of exactly the running slots."""
+
+    @abstractmethod
+    def _release(self, slots: list[int]) -> None:
+        """`release`; must ignore a slot that is not running."""
+
+    def _step(self, slots: list[int], prompts: list[Sequence[int]],
+              params: list[SamplingParams], running: list[int]
+              ) -> tuple[list[int], list[int]]:
         raise NotImplementedError(f"{type(self).__name__} does not mix prefill into decode")
+
+    def _busy(self) -> set[int]:
+        """The running slots (the base class's, whatever the subclass's __init__ did)."""
+        busy = self.__dict__.get("_slots_busy")
+        if busy is None:
+            busy = self.__dict__["_slots_busy"] = set()
+        return busy
+
+    def _check_new(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                   params: Sequence[SamplingParams]) -> None:
+        if not len(slots) == len(prompts) == len(params):
+            raise SlotError(f"prefill of {len(slots)} slots, {len(prompts)} prompts and "
+                            f"{len(params)} sampling params")
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.batch_size for s in slots):
+            raise SlotError(f"prefill slots {list(slots)}: expected distinct slots in "
+                            f"[0, {self.batch_size})")
+        busy = sorted(self._busy() & set(slots))
+        if busy:
+            raise SlotError(f"prefill into busy slots {busy}; release them first")
+
+    def _check_running(self, slots: Sequence[int]) -> None:
+        busy = self._busy()
+        if len(set(slots)) != len(slots) or set(slots) != busy:
+            raise SlotError(f"decode of slots {sorted(slots)} but running {sorted(busy)}: a "
+                            "decode covers every running slot, once")
 
     def token_logprobs(self, slot: int) -> TokenLogprob | None:
         """The last token of `slot`'s logprob, for a sequence whose `SamplingParams.logprobs`

@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from handlers.backends.base import (
     read_eos_ids,
 )
 from handlers.backends.capabilities import sampling_group
-from handlers.backends.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
+from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
@@ -110,8 +111,7 @@ class NeuronBackend(Backend):
         self.max_prompt_length = min(context_buckets(config)[-1], config.max_length - 1)
         # cores given: the TorchServe worker holds their claim for its whole life, so a
         # restarted engine process gets the same block back (handlers/engine/client.py)
-        self._claim = (claim_cores(n, available_cores(n)) if cores is None
-                       else CoreClaim(tuple(cores), lock_path(Path(n.core_lock_dir), cores), None))
+        self._claim = backend_claim(n, cores)
         try:
             apply_neuron_env(neuron_env(config, self._claim.cores, model_dir))
             model_config = read_model_config(checkpoint)
@@ -138,8 +138,8 @@ class NeuronBackend(Backend):
         self._runner = runner_cls(self.model, config, context_buckets(config), eos)
         self.capabilities = runner_cls.CAPABILITIES
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                params: Sequence[SamplingParams]) -> list[int]:
+    def _prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                 params: Sequence[SamplingParams]) -> list[int]:
         for prompt in prompts:
             if not 0 < len(prompt) < self.max_length:
                 raise RequestError("prompt", f"{len(prompt)} tokens; expected 1 to "
@@ -147,16 +147,16 @@ class NeuronBackend(Backend):
         return self._runner.prefill(list(slots), [list(p) for p in prompts], list(params),
                                     self.eos_token_ids)
 
-    def decode(self, slots: Sequence[int]) -> list[int]:
+    def _decode(self, slots: Sequence[int]) -> list[int]:
         return self._runner.decode(list(slots))
 
-    def release(self, slots: Sequence[int]) -> None:
+    def _release(self, slots: Sequence[int]) -> None:
         self._runner.release(list(slots))
 
     def token_logprobs(self, slot: int) -> TokenLogprob | None:
         """Continuous batching samples on the host (micro batching refuses logprobs)."""
-        row = getattr(self._runner, "rows", {}).get(slot)
-        return getattr(row[2], "last", None) if isinstance(row, tuple) else None
+        row = self._runner.rows.get(slot)
+        return row.sampler.last if isinstance(row, _Row) else None
 
     def warmup(self) -> None:
         """Touch every prefill bucket once, then one decode step."""
@@ -190,6 +190,15 @@ def prefill_inputs(prompt: list[int]) -> tuple[list[int], list[int]]:
     return prompt, list(range(len(prompt)))
 
 
+@dataclass
+class _Row:
+    """One slot's sequence under continuous batching."""
+
+    length: int  # tokens in its KV-cache line (prompt + generated)
+    last: int  # the last generated token: the next decode's input
+    sampler: Any  # handlers.backends.sampling.RowSampler
+
+
 class _ContinuousRunner:
     """One KV-cache row per slot; each request samples with its own parameters.
 
@@ -215,7 +224,7 @@ class _ContinuousRunner:
     def __init__(self, model: Any, config: HandlerConfig, buckets: list[int], eos: int) -> None:
         self.model, self.buckets, self.eos = model, buckets, eos
         self.max_length = config.max_length
-        self.rows: dict[int, tuple[int, int, Any]] = {}  # slot -> (length, last token, sampler)
+        self.rows: dict[int, _Row] = {}
 
     def prefill(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
                 eos_ids: frozenset[int]) -> list[int]:
@@ -225,8 +234,6 @@ class _ContinuousRunner:
 
         out = []
         for slot, prompt, p in zip(slots, prompts, params, strict=True):
-            if slot in self.rows:
-                raise GenerationError(f"prefill into busy slot {slot}; release it first")
             if len(prompt) > self.buckets[-1]:
                 raise RequestError("prompt", f"{len(prompt)} tokens exceed the largest prefill "
                                    f"bucket {self.buckets[-1]} (handler.neuron."
@@ -238,7 +245,7 @@ class _ContinuousRunner:
                                             torch.tensor([positions], dtype=torch.int64),
                                             torch.tensor([slot], dtype=torch.int64))
                 token = sampler(logits[0])  # logits: [1, vocab]
-            self.rows[slot] = (len(prompt), token, sampler)
+            self.rows[slot] = _Row(len(prompt), token, sampler)
             out.append(token)
         return out
 
@@ -247,18 +254,15 @@ class _ContinuousRunner:
 
         from handlers.backends.sampling import sample_rows
 
-        missing = [s for s in slots if s not in self.rows]
-        if missing:
-            raise GenerationError(f"decode of slots {missing} that were never prefilled")
-        rows = [self.rows[s] for s in slots]
-        ids = torch.tensor([[r[1]] for r in rows], dtype=torch.int64)  # [n, 1]
-        cache_ids = torch.tensor([[r[0]] for r in rows], dtype=torch.int64)  # [n, 1]
+        rows = [self.rows[s] for s in slots]  # the base class checked: every running slot
+        ids = torch.tensor([[r.last] for r in rows], dtype=torch.int64)  # [n, 1]
+        cache_ids = torch.tensor([[r.length] for r in rows], dtype=torch.int64)  # [n, 1]
         with torch.inference_mode():
             logits = self.model.forward(ids, cache_ids, torch.tensor(slots, dtype=torch.int64))
             # logits: [n, vocab] in slot order; every row in one batched pass (sampling.py)
-            out = sample_rows(logits, [r[2] for r in rows])
-        for slot, (length, _, sampler), token in zip(slots, rows, out, strict=True):
-            self.rows[slot] = (length + 1, token, sampler)
+            out = sample_rows(logits, [r.sampler for r in rows])
+        for row, token in zip(rows, out, strict=True):
+            row.length, row.last = row.length + 1, token
         return out
 
     def release(self, slots: list[int]) -> None:

@@ -113,3 +113,12 @@ def claim_cores(settings: NeuronSettings, cores: Sequence[int]) -> CoreClaim:
         f"tp_degree {tp}, all taken ({holders or 'none'}). Run at most {len(blocks)} worker(s) "
         f"(minWorkers/maxWorkers), lower handler.neuron.tp_degree, or use a larger instance; "
         f"locks live in {lock_dir}")
+
+
+def backend_claim(settings: NeuronSettings, held: Sequence[int] | None) -> CoreClaim:
+    """The cores a Neuron backend runs on: the block the TorchServe worker already claimed
+    and holds for its whole life (`held`, from handlers/engine/client.py; releasing this
+    claim leaves the worker's lock alone), or a block of its own claimed now (inline)."""
+    if held is None:
+        return claim_cores(settings, available_cores(settings))
+    return CoreClaim(tuple(held), lock_path(Path(settings.core_lock_dir), held), None)

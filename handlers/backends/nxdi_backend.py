@@ -20,6 +20,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from handlers.backends.base import (
     read_eos_ids,
 )
 from handlers.backends.capabilities import check_sampling
-from handlers.backends.neuron_cores import CoreClaim, available_cores, claim_cores, lock_path
+from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
@@ -163,6 +164,17 @@ def device_sampling_row(p: SamplingParams, caps: Capabilities, global_topk: int
     return [float(p.top_k or global_topk), float(p.top_p), float(p.temperature)]
 
 
+@dataclass
+class _Row:
+    """One slot's sequence: its KV-cache line's length, the next decode's input token, the
+    host sampler (None on the device) and the request's parameters."""
+
+    length: int
+    last: int
+    sampler: Any
+    params: SamplingParams
+
+
 class NxdiBackend(Backend):
     def __init__(self, checkpoint: Path, config: HandlerConfig, model_dir: Path,
                  cores: Sequence[int] | None = None) -> None:
@@ -176,8 +188,7 @@ class NxdiBackend(Backend):
         self.max_prompt_length = min(ctx[-1], config.max_length - 1)
         self.on_device, self.global_topk = x.on_device_sampling, x.global_topk
         self.capabilities = capabilities(x.on_device_sampling, x.global_topk)
-        self._claim = (claim_cores(n, available_cores(n)) if cores is None
-                       else CoreClaim(tuple(cores), lock_path(Path(n.core_lock_dir), cores), None))
+        self._claim = backend_claim(n, cores)
         try:
             apply_neuron_env(neuron_env(config, self._claim.cores, model_dir))
             model_config = read_model_config(checkpoint)
@@ -196,8 +207,7 @@ class NxdiBackend(Backend):
         except BaseException:
             self._claim.release()
             raise
-        # slot -> (length, last token, host sampler or None, the request's parameters)
-        self.rows: dict[int, tuple[int, int, Any, SamplingParams]] = {}
+        self.rows: dict[int, _Row] = {}
 
     def _forward(self, ids: list[list[int]], positions: list[list[int]], seq_ids: list[int],
                  params: list[SamplingParams], samplers: list[Any]) -> list[int]:
@@ -219,16 +229,14 @@ class NxdiBackend(Backend):
             # [n, 1, vocab] -> [n, vocab]: every row in one batched pass (sampling.py)
             return sample_rows(out.logits[:, -1], samplers)
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                params: Sequence[SamplingParams]) -> list[int]:
+    def _prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                 params: Sequence[SamplingParams]) -> list[int]:
         import torch
 
         from handlers.backends.sampling import RowSampler
 
         out = []
         for slot, prompt, p in zip(slots, prompts, params, strict=True):
-            if slot in self.rows:
-                raise GenerationError(f"prefill into busy slot {slot}; release it first")
             if not 0 < len(prompt) <= self.max_prompt_length:
                 raise RequestError("prompt", f"{len(prompt)} tokens; expected 1 to "
                                    f"{self.max_prompt_length} (the largest prefill bucket)")
@@ -237,36 +245,32 @@ class NxdiBackend(Backend):
                                                              torch.device("cpu"), prompt)
             # one context row per call under continuous batching (kv_cache_manager.py:L488-L489)
             token = self._forward([ids], [positions], [slot], [p], [sampler])[0]
-            self.rows[slot] = (len(prompt), token, sampler, p)
+            self.rows[slot] = _Row(len(prompt), token, sampler, p)
             out.append(token)
         return out
 
-    def decode(self, slots: Sequence[int]) -> list[int]:
-        missing = [s for s in slots if s not in self.rows]
-        if missing:
-            raise GenerationError(f"decode of slots {missing} that were never prefilled")
-        idle = sorted(set(self.rows) - set(slots))
-        if idle:  # padding writes row 0 into every line not in the call (model_wrapper.py:L515)
-            raise GenerationError(f"decode must cover every running slot; {idle} are missing and "
-                                  "their KV-cache lines would be overwritten")
+    def _decode(self, slots: Sequence[int]) -> list[int]:
+        # every running slot, as the base class checks: padding writes row 0 into every
+        # line not in the call (model_wrapper.py:L515), so a decode of fewer would
+        # overwrite the others' KV-cache lines
         order = sorted(slots)  # a full batch runs rows as cache lines 0..n-1 (L1342-L1348)
         rows = [self.rows[s] for s in order]
-        tokens = self._forward([[r[1]] for r in rows], [[r[0]] for r in rows], order,
-                               [r[3] for r in rows], [r[2] for r in rows])
+        tokens = self._forward([[r.last] for r in rows], [[r.length] for r in rows], order,
+                               [r.params for r in rows], [r.sampler for r in rows])
         by_slot = {}
-        for slot, (length, _, sampler, p), token in zip(order, rows, tokens, strict=True):
-            self.rows[slot] = (length + 1, token, sampler, p)
+        for slot, row, token in zip(order, rows, tokens, strict=True):
+            row.length, row.last = row.length + 1, token
             by_slot[slot] = token
         return [by_slot[s] for s in slots]
 
-    def release(self, slots: Sequence[int]) -> None:
+    def _release(self, slots: Sequence[int]) -> None:
         for s in slots:
             self.rows.pop(s, None)
 
     def token_logprobs(self, slot: int) -> TokenLogprob | None:
         """Host sampling only (on-device sampling refuses logprobs)."""
         row = self.rows.get(slot)
-        return getattr(row[2], "last", None) if row is not None else None
+        return row.sampler.last if row is not None and row.sampler is not None else None
 
     def warmup(self) -> None:
         """One prefill and one decode on a free slot (load() already ran every graph once)."""

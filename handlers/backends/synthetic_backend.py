@@ -15,8 +15,8 @@ Never a hardware result.
   EOS are never emitted, so every request runs to its max_new_tokens. Greedy rows are
   a pure function of (prompt, position); sampling rows of (seed, prompt, position), or
   random without a seed -- so tests can assert outputs.
-- The slot contract is the torch backend's: prefill into a busy slot raises, and a
-  decode must name exactly the running slots.
+- The slot contract is every backend's, checked by the base class: prefill into a busy
+  slot raises, and a decode must name exactly the running slots.
 - With `handler.synthetic.host_sampling_vocab` (`HostSampling`), every call also
   "returns" logits [rows, vocab] and the host picks each row's token from them with the
   batched sampler the Neuron backends use (handlers/backends/sampling.py), after the deadline:
@@ -263,18 +263,9 @@ class SyntheticBackend(Backend):
                     list(self.timing.prefill_ms), list(self.timing.buckets), len(self.words))
 
     # -- Backend interface ------------------------------------------------------------
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                params: Sequence[SamplingParams]) -> list[int]:
+    def _prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                 params: Sequence[SamplingParams]) -> list[int]:
         start = self._clock()
-        if not len(slots) == len(prompts) == len(params):
-            raise ValueError(f"prefill of {len(slots)} slots, {len(prompts)} prompts and "
-                             f"{len(params)} sampling params")
-        busy = set(self._rows) & set(slots)
-        if busy:
-            raise ValueError(f"prefill into busy slots {sorted(busy)}")
-        if len(set(slots)) != len(slots) or not all(0 <= s < self.batch_size for s in slots):
-            raise ValueError(f"prefill slots {list(slots)}: expected distinct slots in "
-                             f"[0, {self.batch_size})")
         for prompt in prompts:
             if not 0 < len(prompt) <= self.max_prompt_length:
                 raise RequestError("prompt", f"{len(prompt)} tokens; expected 1 to "
@@ -290,17 +281,15 @@ class SyntheticBackend(Backend):
             tokens = self._host.pick([row.sampler for row in rows], tokens)
         return tokens
 
-    def decode(self, slots: Sequence[int]) -> list[int]:
+    def _decode(self, slots: Sequence[int]) -> list[int]:
         start = self._clock()
-        if len(set(slots)) != len(slots) or set(slots) != set(self._rows):
-            raise ValueError(f"decode of slots {sorted(slots)} but running {sorted(self._rows)}")
         tokens = [self._next(self._rows[s]) for s in slots]
         self._wait(start, self._decode_s)
         if self._host is not None:  # after the device call, as on Neuron
             tokens = self._host.pick([self._rows[s].sampler for s in slots], tokens)
         return tokens
 
-    def release(self, slots: Sequence[int]) -> None:
+    def _release(self, slots: Sequence[int]) -> None:
         for slot in slots:
             self._rows.pop(slot, None)
 

@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask
 
-from handlers.backends.base import Backend, SamplingParams, TokenLogprob
+from handlers.backends.base import Backend, SamplingParams, SlotError, TokenLogprob
 from handlers.backends.sampling import RowSampler, prompt_logprobs, sample_rows
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
@@ -225,12 +225,9 @@ class TorchBackend(Backend):
 
     # -- Backend interface ------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                params: Sequence[SamplingParams]) -> list[int]:
+    def _prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                 params: Sequence[SamplingParams]) -> list[int]:
         """All newcomers in one left-padded forward (one row alone needs no padding)."""
-        busy = {r.slot for r in self._rows} & set(slots)
-        if busy:
-            raise ValueError(f"prefill into busy slots {sorted(busy)}")
         self._echo(slots, prompts, params)  # first: a failure must leave the batch as it was
         ids, mask, pos = self._left_pad(prompts)
         samplers = [RowSampler(p, self.eos_token_ids, self.device, prompt)
@@ -248,10 +245,8 @@ class TorchBackend(Backend):
         return tokens
 
     @torch.inference_mode()
-    def decode(self, slots: Sequence[int]) -> list[int]:
+    def _decode(self, slots: Sequence[int]) -> list[int]:
         order = {r.slot: i for i, r in enumerate(self._rows)}
-        if set(slots) != set(order):
-            raise ValueError(f"decode of slots {sorted(slots)} but running {sorted(order)}")
         rows = self._rows
         ids = torch.tensor([[r.last_token] for r in rows], device=self.device)  # [B, 1]
         pos = torch.tensor([[r.length] for r in rows], device=self.device)  # [B, 1]
@@ -265,16 +260,13 @@ class TorchBackend(Backend):
         return [rows[order[s]].last_token for s in slots]
 
     @torch.inference_mode()
-    def step(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-             params: Sequence[SamplingParams], running: Sequence[int]) -> tuple[list[int],
-                                                                               list[int]]:
+    def _step(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+              params: Sequence[SamplingParams], running: Sequence[int]) -> tuple[list[int],
+                                                                                list[int]]:
         """Prefill newcomers into `slots` and decode the `running` batch in one forward."""
         order = {r.slot: i for i, r in enumerate(self._rows)}
-        if not self.mixes_prefill or not order or set(running) != set(order):
-            raise ValueError(f"packed step of running {sorted(running)} but running "
-                             f"{sorted(order)} (mixes_prefill={self.mixes_prefill})")
-        if set(slots) & set(order):
-            raise ValueError(f"prefill into busy slots {sorted(set(slots) & set(order))}")
+        if not order:
+            raise SlotError("a packed step needs a running batch; prefill alone")
         self._echo(slots, prompts, params)  # first: a failure must leave the batch as it was
         rows, b, n = self._rows, len(self._rows), len(prompts)
         new_ids, new_mask, new_pos = self._left_pad(prompts)
@@ -361,7 +353,7 @@ class TorchBackend(Backend):
                 layer.values = layer.values[:, :, :length]
 
     @torch.inference_mode()
-    def release(self, slots: Sequence[int]) -> None:
+    def _release(self, slots: Sequence[int]) -> None:
         """Rows leave; the last rows move into their places (one row copied per leaver, in
         the cache's own buffers) and leading all-padding columns are trimmed."""
         leaving = set(slots)

@@ -418,7 +418,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> Event:
         seq.done = True
-        self._changed = True  # after `done`: a stop string's end leaves at the next step
+        with self._cond:  # the output thread's one write of engine state, under its lock
+            self._changed = True  # after `done`: a stop string's end leaves at the next step
         self._observe("GeneratedTokens", seq.shown, "count")
         return seq.finish_event(reason)
 

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from handlers.backends.base import SamplingParams
+from handlers.backends.base import SamplingParams, SlotError
 from handlers.backends.nxdi_backend import capabilities as nxdi_capabilities
 from handlers.config import parse_config
 from handlers.errors import (
     CacheError,
     ConfigError,
-    GenerationError,
     NeuronUnavailableError,
     RequestError,
 )
@@ -222,12 +221,13 @@ def test_a_seed_on_a_greedy_request_changes_nothing_so_it_is_honoured(tmp_path) 
 def test_decode_must_cover_every_running_slot(tiny_checkpoint, tmp_path, fake_nxdi) -> None:
     b = _backend(tiny_checkpoint, tmp_path)
     b.prefill([0, 1], PROMPTS, [SamplingParams()] * 2)
-    with pytest.raises(GenerationError, match="every running slot"):
+    with pytest.raises(SlotError, match="every running slot"):
         b.decode([0])
-    with pytest.raises(GenerationError, match="busy slot"):
+    with pytest.raises(SlotError, match="busy slot"):
         b.prefill([1], [PROMPTS[0]], [SamplingParams()])
+    b.release([1])
     with pytest.raises(RequestError, match="prompt"):
-        b.prefill([2], [list(range(1, 130))], [SamplingParams()])
+        b.prefill([1], [list(range(1, 130))], [SamplingParams()])
     b.close()
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from handlers.backends import load_backend
-from handlers.backends.base import SamplingParams
+from handlers.backends.base import SamplingParams, SlotError
 from handlers.backends.synthetic_backend import StepTimer, SyntheticBackend
 from handlers.backends.synthetic_timing import PRESETS, resolve_timing
 from handlers.config import parse_config
@@ -71,7 +71,7 @@ def _run(backend: SyntheticBackend, slot: int, prompt: list[int], n: int,
 def test_prefill_into_busy_slot_raises(tiny_checkpoint, tokenizer):
     b = _backend(tiny_checkpoint, tokenizer)
     b.prefill([1], [[5, 6]], [GREEDY])
-    with pytest.raises(ValueError, match="busy slots \\[1\\]"):
+    with pytest.raises(SlotError, match="busy slots \\[1\\]"):
         b.prefill([0, 1], [[5], [6]], [GREEDY, GREEDY])
     assert b.decode([1])  # the failed prefill left the running batch as it was
 
@@ -80,7 +80,7 @@ def test_decode_must_name_exactly_the_running_slots(tiny_checkpoint, tokenizer):
     b = _backend(tiny_checkpoint, tokenizer)
     b.prefill([0, 2], [[5], [6]], [GREEDY, GREEDY])
     for wrong in ([0], [0, 1, 2], [0, 0, 2]):
-        with pytest.raises(ValueError, match="running \\[0, 2\\]"):
+        with pytest.raises(SlotError, match="running \\[0, 2\\]"):
             b.decode(wrong)
     b.release([0])
     assert len(b.decode([2])) == 1
@@ -88,7 +88,7 @@ def test_decode_must_name_exactly_the_running_slots(tiny_checkpoint, tokenizer):
 
 def test_slots_and_prompt_lengths_are_checked(tiny_checkpoint, tokenizer):
     b = _backend(tiny_checkpoint, tokenizer)
-    with pytest.raises(ValueError, match="distinct slots in \\[0, 4\\)"):
+    with pytest.raises(SlotError, match="distinct slots in \\[0, 4\\)"):
         b.prefill([4], [[5]], [GREEDY])
     with pytest.raises(RequestError, match="prompt"):
         b.prefill([0], [[]], [GREEDY])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from handlers.backends.base import SamplingParams
+from handlers.backends.base import SamplingParams, SlotError
 from handlers.config import parse_config
 
 PROMPTS = ["Hello there, how are you", "The sea", "Once upon a time there was a robot", "日本語"]
@@ -100,7 +100,7 @@ def test_failed_packed_step_leaves_the_batch_as_it_was(setup, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         backend.step([1], [ids[1]], [sp], [0])
     monkeypatch.setattr(torch_backend._PackedStep, "attend", real)
-    with pytest.raises(ValueError, match="running"):
+    with pytest.raises(SlotError, match="running"):
         backend.step([1], [ids[1]], [sp], [2])
     for _ in range(5):
         got += backend.decode([0])
@@ -147,9 +147,9 @@ def test_seeded_sampling_is_reproducible_and_min_new_tokens_blocks_eos(setup):
 def test_misuse_is_rejected(setup):
     backend, tok, _ = setup
     backend.prefill([0], [[1, 2, 3]], [SamplingParams()])
-    with pytest.raises(ValueError, match="busy"):
+    with pytest.raises(SlotError, match="busy"):
         backend.prefill([0], [[1, 2]], [SamplingParams()])
-    with pytest.raises(ValueError, match="running"):
+    with pytest.raises(SlotError, match="running"):
         backend.decode([1])
     backend.release([0])
 
@@ -223,10 +223,11 @@ def test_append_layer_steps_leaves_and_joins_work_in_its_own_buffers():
     check()
 
 
-def test_rows_leaving_and_joining_in_every_order_match_generate(setup):
+def test_rows_leaving_and_joining_in_every_order_match_generate(setup, monkeypatch):
     """Leaves that move rows and trim columns, then joins narrower and wider than the
     batch -- by prefill and by packed step, more rows than at the start."""
     backend, tok, model = setup
+    monkeypatch.setattr(backend, "batch_size", 8)  # a slot per sequence: 8, never reused
     texts = PROMPTS + ["A", "The quick brown fox jumps over the lazy dog again and again and "
                        "again until the end of the long day", "Hi", "Numbers: 1 2 3 4 5 6"]
     ids = [tok(t)["input_ids"] for t in texts]
