@@ -123,7 +123,8 @@ $(STAMP310): pyproject.toml
 test-py310: $(STAMP310)
 	$(VENV310)/bin/python -m pytest -q -p no:cacheprovider $(PY310_TESTS)
 
-# every command block of README.md, in order, in a fresh copy of the repository (this venv)
+# every command block of README.md, then of docs/*.md (GUIDES in .ci/readme_commands.py),
+# in order, in a fresh copy of the repository (this venv)
 test-readme: install
 	$(PY) .ci/readme_commands.py --venv $(VENV)
 
