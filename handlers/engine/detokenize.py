@@ -134,32 +134,36 @@ class _StopAutomaton:
             state = fail[state]
 
 
-@functools.lru_cache(maxsize=256)
+#: a worst-case set (8 x 256 characters, 2,048 trie nodes) holds ~0.5 MB: 16 MB at most
+_AUTOMATON_CACHE = 32
+
+
+@functools.lru_cache(maxsize=_AUTOMATON_CACHE)
 def _automaton(stops: tuple[str, ...]) -> _StopAutomaton:
     goto: list[dict[str, int]] = [{}]
     depth, ends = [0], [0]
     for stop in stops:
         node = 0
         for char in stop:
-            nxt = goto[node].get(char)
+            edges = goto[node]
+            nxt = edges.get(char)
             if nxt is None:
-                nxt = len(goto)
-                goto[node][char] = nxt
+                nxt = edges[char] = len(goto)
                 goto.append({})
                 depth.append(depth[node] + 1)
                 ends.append(0)
             node = nxt
         ends[node] = len(stop)
     fail, longest = [0] * len(goto), list(ends)
-    queue = collections.deque(goto[0].values())
+    queue = collections.deque(goto[0].values())  # the root's children fail to the root
     while queue:  # breadth first: a node's fail target is shallower, so already final
         node = queue.popleft()
         longest[node] = max(ends[node], longest[fail[node]])
         for char, child in goto[node].items():
-            f = fail[node]
-            while char not in goto[f] and f:
+            f = fail[node]  # the child fails to the deepest f on node's chain with an edge
+            while (nxt := goto[f].get(char)) is None and f:
                 f = fail[f]
-            fail[child] = goto[f].get(char, 0) if goto[f].get(char) != child else 0
+            fail[child] = 0 if nxt is None else nxt
             queue.append(child)
     return _StopAutomaton(tuple(goto), tuple(fail), tuple(depth), tuple(longest))
 
