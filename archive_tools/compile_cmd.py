@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     n, h = config.handler.neuron, config.handler
     cache = archive / n.cache_dir
     print(f"compile {archive} ({h.backend}): tp_degree={n.tp_degree} batch_size={h.batch_size} "
-          f"n_positions={h.max_length} amp={n.amp} -> {cache}")
+          f"n_positions={h.max_length} amp={h.amp} -> {cache}")
     if args.dry_run:
         print("dry run: nothing compiled")
         return 0

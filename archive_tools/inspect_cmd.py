@@ -24,7 +24,7 @@ from typing import IO, Any
 import yaml
 
 from archive_tools.fileops import human
-from handlers.config import parse_config
+from handlers.config import DTYPE_AMP, parse_config, resolve_dtype
 from handlers.errors import Inf2ServeError
 
 NEURON_BACKENDS = ("neuron", "nxdi")
@@ -231,10 +231,11 @@ def _render(path: Path, s: dict[str, Any]) -> None:
     h = c["handler"]
     rows = [("backend", h["backend"]), ("batching", h["batching"]),
             ("batch_size", h["batch_size"]), ("max_length", h["max_length"])]
+    dtype = resolve_dtype(h["backend"], h["dtype"])  # auto: what the backend runs
     if h["backend"] in NEURON_BACKENDS:  # handler.neuron means nothing to the others
-        rows.append(("neuron", f"tp_degree={h['neuron']['tp_degree']} amp={h['neuron']['amp']}"))
+        rows.append(("neuron", f"tp_degree={h['neuron']['tp_degree']} amp={DTYPE_AMP[dtype]}"))
     else:
-        rows.append(("dtype", h["dtype"]))
+        rows.append(("dtype", dtype))
     rows += [("workers", f"{c['minWorkers']}..{c['maxWorkers']}"),
              ("batchSize", c["batchSize"]), ("deviceType", c["deviceType"])]
     table("model-config.yaml (valid)", rows)

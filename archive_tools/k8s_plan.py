@@ -95,9 +95,9 @@ def neuron_host_gib(cfg: ModelConfig, arch: Arch, weights: Weights, cache_warm: 
     cold (check_host_memory / validate_nxdi in archive_tools/validate_cmd.py)."""
     h, n, workers = cfg.handler, cfg.handler.neuron, cfg.frontend.max_workers
     if h.backend == "nxdi":  # nxdi: validate estimates loading only
-        return nxdi_sizing.host_load_gib(arch, n.amp, workers), "loading (nxdi)"
+        return nxdi_sizing.host_load_gib(arch, h.amp, workers), "loading (nxdi)"
     graphs = len(token_buckets(h.max_length)) + len(context_buckets(h))
-    mem = host_memory(arch, n.amp, workers, graphs, n.compilation_worker_count, weights.fmt,
+    mem = host_memory(arch, h.amp, workers, graphs, n.compilation_worker_count, weights.fmt,
                       weights.largest_file)
     if cache_warm or mem.load_gib >= mem.compile_gib:
         return mem.load_gib, "loading"

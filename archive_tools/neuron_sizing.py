@@ -181,23 +181,28 @@ def head_layout(arch: Arch, tp: int, gqa: str, batch_size: int) -> HeadLayout:
 
 
 def device_bytes_per_core(arch: Arch, layout: HeadLayout, amp: str, batch_size: int,
-                          positions: int) -> tuple[float, float]:
+                          positions: int, weight_bytes: float | None = None,
+                          kv_bytes: float | None = None) -> tuple[float, float]:
     """(weights, KV cache) bytes on each NeuronCore, padding included.
 
     The embedding stays on the host (no on_device_embedding); the MLP and the vocabulary are
-    padded to multiples of tp (decoder.py:L1662-1670, L346-352).
+    padded to multiples of tp (decoder.py:L1662-1670, L346-352). `weight_bytes`: the decoder
+    layers' matrices quantized (1 byte for int8/fp8; the SDK quantizes attention and MLP,
+    the LM head and norms stay at amp: decoder.py:L1581-L1614, L1672-L1683); `kv_bytes`: a
+    quantized KV cache.
     """
     tp, d, h, b = layout.tp, arch.head_dim, arch.hidden, AMP_BYTES[amp]
     attn = 2 * h * layout.heads_padded * d + 2 * h * layout.kv_weight_heads * d
     mlp = 3 * h * round_up(arch.intermediate, tp)
-    sharded = arch.layers * (attn + mlp) + h * round_up(arch.vocab, tp)
-    duplicated = (2 * arch.layers + 1) * h  # RMSNorm weights live on every core
-    weights = (sharded / tp + duplicated) * b
+    layers = arch.layers * (attn + mlp) * (b if weight_bytes is None else weight_bytes)
+    sharded = layers + h * round_up(arch.vocab, tp) * b
+    duplicated = (2 * arch.layers + 1) * h * b  # RMSNorm weights live on every core
+    weights = sharded / tp + duplicated
     if layout.gqa == "shard-over-batch":  # kept only when batch_size divides by tp
         kv_elems = positions * (batch_size // tp) * layout.kv_cache_heads * d
     else:
         kv_elems = positions * batch_size * (layout.kv_cache_heads // tp) * d
-    return weights, 2 * arch.layers * kv_elems * b
+    return weights, 2 * arch.layers * kv_elems * (b if kv_bytes is None else kv_bytes)
 
 
 def token_buckets(max_length: int) -> list[int]:

@@ -64,15 +64,20 @@ def head_warnings(h: NxdiHeads) -> list[str]:
 
 
 def device_bytes_per_core(arch: Arch, h: NxdiHeads, amp: str, batch: int,
-                          max_length: int) -> tuple[float, float]:
+                          max_length: int, weight_bytes: float | None = None,
+                          kv_bytes: float | None = None) -> tuple[float, float]:
     """(weights, KV cache) bytes on one NeuronCore: every weight sharded over tp, one KV-cache
     line of max_length positions per batch slot (kv_cache_batch_size = batch_size,
-    models/config.py:L167)."""
+    models/config.py:L167). `weight_bytes`: the decoder layers' linear weights quantized
+    (the LM head too unless in modules_to_not_convert; counted at amp here, the larger);
+    `kv_bytes`: a quantized KV cache."""
     b, d = AMP_BYTES[amp], arch.head_dim
+    q = b if weight_bytes is None else weight_bytes
     attn = 2 * arch.hidden * h.heads_padded * d + 2 * arch.hidden * h.kv_heads_used * d
-    layer = attn + 3 * arch.hidden * arch.intermediate + 2 * arch.hidden
-    weights = (arch.layers * layer + 2 * arch.vocab * arch.hidden + arch.hidden) * b / h.tp
-    kv = 2 * arch.layers * batch * max_length * max(h.kv_heads_used // h.tp, 1) * d * b
+    layer = (attn + 3 * arch.hidden * arch.intermediate) * q + 2 * arch.hidden * b
+    weights = (arch.layers * layer + (2 * arch.vocab * arch.hidden + arch.hidden) * b) / h.tp
+    kv = (2 * arch.layers * batch * max_length * max(h.kv_heads_used // h.tp, 1) * d
+          * (b if kv_bytes is None else kv_bytes))
     return weights, kv
 
 

@@ -1,7 +1,7 @@
 """`inf2serve prepare`: a Hugging Face checkpoint into a serving checkpoint.
 
 A serving checkpoint is what `package` puts under the archive's model/: weights
-cast to the configured amp dtype (safetensors, or the legacy split layout older
+cast to the configured dtype (safetensors, or the legacy split layout older
 transformers-neuronx loads), config.json with the new dtype, generation_config.json
 and the tokenizer files, which transformers 4.36+ (the Neuron SDKs') and 5.x read the
 same way (archive_tools/checkpoint_compat.py). Tensors are streamed one source shard
@@ -25,7 +25,6 @@ from handlers.config import load_config
 from handlers.errors import Inf2ServeError
 
 AMP_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
-DTYPE_TO_AMP = {v: k for k, v in AMP_DTYPES.items()}
 # tokenizer and generation files a serving checkpoint carries (never weights or README/.git)
 META_GLOBS = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
               "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.model",
@@ -169,11 +168,8 @@ def _write_tokenizer_json(src: Path, out: Path) -> None:
 
 
 def amp_from_config(config_path: Path) -> str:
-    """The amp a model-config.yaml asks for: neuron.amp (neuron, nxdi), or handler.dtype."""
-    cfg = load_config(config_path)
-    if cfg.handler.backend in ("neuron", "nxdi"):
-        return cfg.handler.neuron.amp
-    return DTYPE_TO_AMP[cfg.handler.dtype]
+    """The amp a model-config.yaml asks for: handler.dtype, resolved for its backend."""
+    return load_config(config_path).handler.amp
 
 
 def prepare(src: Path, out: Path, *, amp: str | None = None, legacy_split: bool = False,
@@ -229,7 +225,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out", help="output directory (written atomically)")
     p.add_argument("--amp", choices=list(AMP_DTYPES),
                    help="cast floating weights to this dtype (default: --config's, else keep)")
-    p.add_argument("--config", help="model-config.yaml to take the amp dtype from")
+    p.add_argument("--config", help="model-config.yaml to take the dtype from (handler.dtype)")
     p.add_argument("--legacy-split", action="store_true",
                    help="pytorch_model.bin/ with one file per key (save_pretrained_split layout)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT")

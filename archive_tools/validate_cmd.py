@@ -45,6 +45,8 @@ ARCHITECTURES = {  # published Llama-2 configs (config.json of the meta-llama ch
     "llama-2-7b": Arch(32, 4096, 32, 32, 32000, 11008, 4096),
     "llama-2-13b": Arch(40, 5120, 40, 40, 32000, 13824, 4096),
     "llama-2-70b": Arch(80, 8192, 64, 8, 32000, 28672, 4096),
+    # meta-llama/Meta-Llama-3-8B config.json (rope_theta 500000, no rope scaling)
+    "llama-3-8b": Arch(32, 4096, 32, 8, 128256, 14336, 8192, "bfloat16"),
     # meta-llama/Llama-3.1-8B and -70B config.json (rope_theta 500000, llama3 rope scaling)
     "llama-3.1-8b": Arch(32, 4096, 32, 8, 128256, 14336, 131072, "bfloat16"),
     "llama-3.1-70b": Arch(80, 8192, 64, 8, 128256, 28672, 131072, "bfloat16"),
@@ -170,10 +172,36 @@ def layout_warnings(layout: HeadLayout, unpadded: list[int]) -> list[str]:
     return out
 
 
+#: bytes per element of a quantized weight or KV cache (handler.neuron.quantization)
+QUANT_BYTES = {"int8": 1, "fp8": 1}
+
+
+def quantized_bytes(cfg: ModelConfig) -> tuple[float | None, float | None]:
+    """(weight, KV cache) bytes per element where quantized, else None (= handler.dtype)."""
+    q = cfg.handler.neuron.quantization
+    return QUANT_BYTES.get(q.weights), QUANT_BYTES.get(q.kv_cache)
+
+
+def precision_label(cfg: ModelConfig) -> tuple[str, str]:
+    """How weights and KV cache are stored, for messages: ("int8", "bf16")."""
+    q, amp = cfg.handler.neuron.quantization, cfg.handler.amp
+    return q.weights or amp, q.kv_cache or amp
+
+
+def memory_note(label: str, cfg: ModelConfig, weights: float, kv: float, usable: float) -> str:
+    w, k = precision_label(cfg)
+    h = cfg.handler
+    return (f"device memory (estimate): {label} takes {(weights + kv) / GB:.1f} GB per NeuronCore "
+            f"at tp_degree {h.neuron.tp_degree}: weights {weights / GB:.2f} GB at {w} + KV cache "
+            f"{kv / GB:.2f} GB at {k} (batch {h.batch_size} x {h.max_length} positions), of "
+            f"{usable / GB:.1f} GB available")
+
+
 def _core_bytes(cfg: ModelConfig, arch: Arch, tp: int) -> tuple[float, float]:
     h = cfg.handler
     layout = head_layout(arch, tp, h.neuron.gqa, h.batch_size)
-    return device_bytes_per_core(arch, layout, h.neuron.amp, h.batch_size, h.max_length)
+    return device_bytes_per_core(arch, layout, h.amp, h.batch_size, h.max_length,
+                                 *quantized_bytes(cfg))
 
 
 def check_device_memory(cfg: ModelConfig, arch: Arch, label: str,
@@ -189,10 +217,11 @@ def check_device_memory(cfg: ModelConfig, arch: Arch, label: str,
                 if n.tp_degree < t <= cores and sum(_core_bytes(cfg, arch, t)) <= usable]
         hint = (f"use tp_degree {fits[0]}" if fits else
                 f"no tp_degree up to {cores} fits; use a larger instance")
+        w, k = precision_label(cfg)
         out.append(f"device memory: {label} needs {(weights + kv) / GB:.1f} GB per NeuronCore at "
-                   f"tp_degree {n.tp_degree} (weights {weights / GB:.1f} GB at {n.amp} + KV cache "
-                   f"{kv / GB:.1f} GB for batch {h.batch_size} x {h.max_length} positions, padding "
-                   f"included), but a core has {usable / GB:.1f} GB available "
+                   f"tp_degree {n.tp_degree} (weights {weights / GB:.1f} GB at {w} + KV cache "
+                   f"{kv / GB:.1f} GB at {k} for batch {h.batch_size} x {h.max_length} "
+                   f"positions, padding included), but a core has {usable / GB:.1f} GB available "
                    f"({CORE_MEMORY / 2**30:.0f} GiB less {HEADROOM:.0%} headroom); {hint}, or "
                    "lower batch_size / max_length")
     if instance:
@@ -210,7 +239,7 @@ def check_host_memory(cfg: ModelConfig, arch: Arch, instance: str, weights: Weig
     h, n, out = cfg.handler, cfg.handler.neuron, Report()
     tokens, contexts = len(token_buckets(h.max_length)), len(context_buckets(h))
     workers, have = cfg.frontend.max_workers, INSTANCES[instance].host_gib
-    mem = host_memory(arch, n.amp, workers, tokens + contexts, n.compilation_worker_count,
+    mem = host_memory(arch, h.amp, workers, tokens + contexts, n.compilation_worker_count,
                       weights.fmt, weights.largest_file)
     setting = (f"handler.neuron.compilation_worker_count {n.compilation_worker_count}"
                + (" = all at once" if n.compilation_worker_count == 0 else ""))
@@ -281,6 +310,7 @@ def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
             report.problems.append(f"max_length {h.max_length} exceeds the model's "
                                    f"max_position_embeddings {arch.max_positions}")
         report.problems += check_device_memory(cfg, arch, label, instance)
+        report.notes.append(memory_note(label, cfg, *_core_bytes(cfg, arch, n.tp_degree), usable))
     if not instance:
         report.notes.append("no --instance: cores and host memory not checked")
         return report
@@ -331,21 +361,24 @@ def validate_nxdi(cfg: ModelConfig, arch: Arch | None, instance: str | None,
                                f"max_position_embeddings {arch.max_positions}")
     heads = nx.nxdi_heads(arch, n.tp_degree)
     report.warnings += nx.head_warnings(heads)
-    weights, kv = nx.device_bytes_per_core(arch, heads, n.amp, h.batch_size, h.max_length)
+    weights, kv = nx.device_bytes_per_core(arch, heads, h.amp, h.batch_size, h.max_length,
+                                           *quantized_bytes(cfg))
     usable = nx.CORE_MEMORY * (1 - nx.HEADROOM)
+    w, k = precision_label(cfg)
+    report.notes.append(memory_note(label, cfg, weights, kv, usable))
     if weights + kv > usable:
         report.problems.append(
             f"device memory (estimate): {label} needs {(weights + kv) / GB:.1f} GB per NeuronCore "
-            f"at tp_degree {n.tp_degree} (weights {weights / GB:.1f} GB at {n.amp} + KV cache "
-            f"{kv / GB:.1f} GB for batch {h.batch_size} x {h.max_length} positions), but a core "
-            f"has {usable / GB:.1f} GB available; raise tp_degree or lower batch_size / "
+            f"at tp_degree {n.tp_degree} (weights {weights / GB:.1f} GB at {w} + KV cache "
+            f"{kv / GB:.1f} GB at {k} for batch {h.batch_size} x {h.max_length} positions), but "
+            f"a core has {usable / GB:.1f} GB available; raise tp_degree or lower batch_size / "
             "max_length")
     if not instance:
         report.notes.append("no --instance: cores and host memory not checked")
         return report
     report.problems += check_cores(cfg, instance)
     where, fe = INSTANCES[instance], cfg.frontend
-    load = nx.host_load_gib(arch, n.amp, fe.max_workers)
+    load = nx.host_load_gib(arch, h.amp, fe.max_workers)
     report.notes.append(f"host memory (estimate): loading {load:.1f} GiB of {where.host_gib} GiB "
                         "(weights sharded on the host at every start); compile memory of NxD's "
                         "ModelBuilder is not estimated")

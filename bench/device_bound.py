@@ -37,6 +37,7 @@ from archive_tools.bench_stats import Scenario, ScenarioResult, host_efficiency,
 from archive_tools.loadgen import GenParams, run_scenario
 from bench.warmup import Warmup, settle_jit
 from handlers.backends.synthetic_backend import StepTimer, tighten_timer_slack
+from handlers.backends.synthetic_timing import PRESETS as SYNTHETIC_PRESETS
 from tests.e2e.harness import ArchiveSpec, build_store, running_server
 
 STEPS_MS = (10.0, 5.0)
@@ -51,7 +52,12 @@ HOST_SAMPLING_VOCAB = 128256
 HOST_SAMPLING_STEP_MS = 10.0
 HOST_SAMPLING_STREAMS = 32
 HOST_SAMPLING_TARGET = 0.95
-CELLS = ("all", "base", "host-sampling")
+#: published Inf2 step times replayed by the synthetic device's presets, at the published
+#: batch 8: bf16 Llama-2-7B beside int8 Llama-3-8B (issue 27); prefill costs the preset's too
+PRESETS = ("llama-2-7b-tp24", "llama-3-8b-int8-tp24")
+PRESET_BATCH = 8
+PRESET_STREAMS = (1, 8)
+CELLS = ("all", "base", "host-sampling", "presets")
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,19 @@ def archive(step_ms: float, threads: int, host_sampling_vocab: int = 0) -> Archi
         "warmup": False, "synthetic": synthetic})
 
 
+def preset_archive(preset: str, threads: int) -> ArchiveSpec:
+    return ArchiveSpec(f"preset-{preset}", fmt="no-archive", handler={
+        "backend": "synthetic", "batching": "continuous", "batch_size": PRESET_BATCH,
+        "max_length": 1024, "max_new_tokens_limit": 512, "max_queue": 256, "threads": threads,
+        "warmup": False, "synthetic": {"preset": preset}})
+
+
+def preset_step_ms(preset: str) -> float:
+    """A decode step of the preset's compiled batch: what one token per stream costs."""
+    p = SYNTHETIC_PRESETS[preset]
+    return p.decode_b1_ms + p.per_row_ms * (PRESET_BATCH - 1)
+
+
 def step_lateness(target_s: float = 0.005, n: int = 200) -> dict:
     """How late a synthetic device step of `target_s` ends (its StepTimer), and how late a
     plain time.sleep(target_s) returns, in microseconds, on a fresh thread of this
@@ -156,6 +175,10 @@ class DeviceBound:
     #: host-sampling variant -> one efficiency, and tokens/s, per round (empty: not run)
     hs_efficiency: dict[str, list[float]] = field(default_factory=dict)
     hs_tokens_per_s: dict[str, list[float]] = field(default_factory=dict)
+    #: (preset, streams) -> per round: host efficiency against the preset's decode step,
+    #: tokens/s, and the median gap between a stream's tokens (ms)
+    preset_cells: dict[tuple[str, int], list[tuple[float, float, float]]] = field(
+        default_factory=dict)
     warmup: Warmup | None = None
     #: (seconds the rounds took, CPU seconds stolen by the hypervisor meanwhile)
     stolen: tuple[float, float] | None = None
@@ -193,6 +216,11 @@ class DeviceBound:
                                            for v, effs in self.hs_efficiency.items()},
                 "tokens_per_s_median": {v: round(statistics.median(t), 1)
                                         for v, t in self.hs_tokens_per_s.items()}}
+        if self.preset_cells:
+            out["presets"] = {
+                f"{p} x {c}": {"step_ms": round(preset_step_ms(p), 2),
+                               "rounds": [[round(x, 3) for x in r] for r in rounds]}
+                for (p, c), rounds in self.preset_cells.items()}
         return out
 
 
@@ -207,25 +235,33 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
         raise ValueError(f"cells {cells!r}; expected one of {CELLS}")
     if cells == "host-sampling":
         steps_ms, streams = (HOST_SAMPLING_STEP_MS,), (HOST_SAMPLING_STREAMS,)
-    variants = tuple(HOST_SAMPLING_PARAMS) if cells != "base" else ()
+    if cells == "presets":
+        steps_ms, streams = (), ()
+    variants = tuple(HOST_SAMPLING_PARAMS) if cells in ("all", "host-sampling") else ()
+    presets = PRESETS if cells in ("all", "presets") else ()
     out = DeviceBound(steps_ms, streams, rounds, lateness=step_lateness())
     print(f"device-bound: lateness of 5 ms steps {out.lateness}", flush=True)
     ckpt = synthetic_checkpoint(checkpoint, work / "synthetic-ckpt")
     specs = [archive(s, threads) for s in steps_ms]
     if variants:
         specs.append(archive(HOST_SAMPLING_STEP_MS, threads, HOST_SAMPLING_VOCAB))
+    specs += [preset_archive(p, threads) for p in presets]
     store = build_store(work / "device", ckpt, specs)
     params = GenParams(max_new_tokens=NEW_TOKENS)  # the synthetic model never emits EOS
     runs: dict[tuple[float, int] | str, list[ScenarioResult]] = {}
     with running_server(store, work / "device-run", [s.name for s in specs]) as server:
         urls = {s: f"{server.inference_url}/predictions/{label(s)}" for s in steps_ms}
         hs_url = f"{server.inference_url}/predictions/{host_sampling_model()}"
-        out.warmup = settle_jit(urls[steps_ms[0]] if steps_ms else hs_url,
+        preset_urls = {p: f"{server.inference_url}/predictions/preset-{p}" for p in presets}
+        first = (urls[steps_ms[0]] if steps_ms else hs_url if variants
+                 else preset_urls[presets[0]])
+        out.warmup = settle_jit(first,
                                 server.inference_token, server.pid, prompts)
         print(f"device-bound: frontend JIT warm-up, {out.warmup.requests} requests, compiler "
               f"us/request by round {[round(u) for u in out.warmup.compiler_us]}", flush=True)
         warm = [(urls[s], max(streams), params) for s in steps_ms]
         warm += [(hs_url, HOST_SAMPLING_STREAMS, HOST_SAMPLING_PARAMS[v]) for v in variants]
+        warm += [(preset_urls[p], max(PRESET_STREAMS), params) for p in presets]
         for url, c, p in warm:  # then each cell's own path once
             run_scenario(url, server.inference_token,
                          Scenario("concurrency", c, requests=3 * c), prompts, p)
@@ -258,6 +294,17 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
                 print(f"  round {r + 1} host sampling ({v}, vocab {HOST_SAMPLING_VOCAB}) step "
                       f"{HOST_SAMPLING_STEP_MS:g} ms streams {c}: {tps:7.1f} tok/s efficiency "
                       f"{eff:.3f} ok={res.summary.ok}/{res.summary.requests}", flush=True)
+            for p in presets if r % 2 == 0 else presets[::-1]:
+                for c in PRESET_STREAMS:
+                    res = run_scenario(preset_urls[p], server.inference_token,
+                                       Scenario("concurrency", c, requests=c * REQUESTS_PER_STREAM),
+                                       prompts, params, label=f"preset-{p}")
+                    tps = res.summary.output_tokens_per_s
+                    eff = host_efficiency(tps, c, preset_step_ms(p))
+                    gap = (res.summary.itl.p50 or 0.0) * 1000
+                    out.preset_cells.setdefault((p, c), []).append((eff, tps, gap))
+                    print(f"  round {r + 1} preset {p} streams {c}: {tps:7.1f} tok/s, token gap "
+                          f"p50 {gap:.2f} ms, efficiency {eff:.3f}", flush=True)
         if stolen is not None:
             out.stolen = (time.perf_counter() - started, steal_s() - stolen)
     for key, cell in runs.items():  # the round whose efficiency is the median
@@ -276,6 +323,8 @@ def summary_section(dev: DeviceBound) -> str:
         lines += _base_table(dev)
     if dev.hs_efficiency:
         lines += _host_sampling_table(dev)
+    if dev.preset_cells:
+        lines += _preset_table(dev)
     o = dev.lateness
     d, t = o["device_step"], o["time_sleep"]
     lines += [f"A {o['target_ms']:g} ms device step ends late by {d['median_us']} us "
@@ -345,6 +394,29 @@ def _host_sampling_table(dev: DeviceBound) -> list[str]:
             "|---|" + "---|" * len(dev.hs_efficiency),
             f"| {HOST_SAMPLING_STEP_MS:g} ms, {HOST_SAMPLING_STREAMS} streams, vocab "
             f"{HOST_SAMPLING_VOCAB:,} | " + " | ".join(cells) + " |", ""]
+
+
+def _preset_table(dev: DeviceBound) -> list[str]:
+    """The published-figure presets, bf16 beside int8, at their compiled batch of 8."""
+    lines = [f"Published Inf2 step times replayed (`handler.synthetic.preset`, compiled batch "
+             f"{PRESET_BATCH}, the preset's prefill times too): bf16 Llama-2-7B beside int8 "
+             "Llama-3-8B (handlers/backends/synthetic_timing.py cites the rows). Median of "
+             f"{dev.rounds} rounds: output tokens/s, the median gap between a stream's tokens, "
+             "and host efficiency against the preset's batch-8 step (prefill included, so "
+             "below 1 even for a perfect host).", "",
+             "| preset (step at batch 8) | " + " | ".join(
+                 f"{c} stream{'s' * (c > 1)}" for c in PRESET_STREAMS) + " |",
+             "|---|" + "---|" * len(PRESET_STREAMS)]
+    for p in PRESETS:
+        if (p, PRESET_STREAMS[0]) not in dev.preset_cells:
+            continue
+        cells = []
+        for c in PRESET_STREAMS:
+            rounds = dev.preset_cells[p, c]
+            eff, tps, gap = (statistics.median(r[i] for r in rounds) for i in range(3))
+            cells.append(f"{tps:.0f} tok/s, gap {gap:.2f} ms, efficiency **{eff:.3f}**")
+        lines.append(f"| {p} ({preset_step_ms(p):.2f} ms) | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def _commit() -> str:

@@ -55,7 +55,7 @@ def sleep_backend(batch_size):
             out = []
             for s in slots:
                 self.n[s] += 1
-                out.append(IDS[self.n[s] % len(IDS)])
+                out.append([IDS[self.n[s] % len(IDS)]])
             return out
 
         def _release(self, slots):

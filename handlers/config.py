@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,18 @@ from handlers.errors import ConfigError
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256  # per stop string: each is searched for at every step
 MAX_SEED = 2**63 - 1
+#: handler.dtype's Neuron spelling (transformers-neuronx's `amp`, the compile-cache key's)
+DTYPE_AMP = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+AMP_DTYPE = {amp: dtype for dtype, amp in DTYPE_AMP.items()}
+#: what handler.dtype `auto` resolves to: the precision each backend has always defaulted to
+AUTO_DTYPE = {"torch": "float32", "synthetic": "float32", "neuron": "bfloat16",
+              "nxdi": "bfloat16"}
+
+
+def resolve_dtype(backend: str, dtype: str) -> str:
+    """handler.dtype as a torch dtype name: `auto` is the backend's own default, so a
+    config that leaves precision out runs as it did when each backend had its own key."""
+    return AUTO_DTYPE[backend] if dtype == "auto" else dtype
 
 
 def _opt(default: Any, *, choices: tuple = (), lo: float | None = None, hi: float | None = None,
@@ -55,12 +68,41 @@ class GenerationDefaults:
 
 
 @dataclass(frozen=True)
+class QuantizationSettings:
+    """Quantized weights and KV cache on both Neuron backends (`handler.neuron.quantization`).
+
+    int8 weights take half the bytes of bf16, so a model fits fewer NeuronCores (a smaller
+    instance) and each decode step reads half as much; AWS's published Inf2 Llama-3-8B
+    figures are int8. The two SDKs quantize differently: transformers-neuronx at every load,
+    from the checkpoint as it is; NxD Inference from a pre-quantized checkpoint, which the
+    toolkit writes into the compile cache (`inf2serve compile`, or a worker's first load).
+    docs/inferentia2.md says what each setting costs."""
+
+    weights: str = _opt("", choices=("", "int8", "fp8"),
+                        doc="'' = handler.dtype; int8 (s8 / int8) or fp8 (e4m3), with the "
+                            "scales of `method`, computed in handler.dtype")
+    method: str = _opt("per_channel", choices=("per_channel", "per_tensor", "direct_cast"),
+                       doc="weight scales: per output channel (both backends), per tensor "
+                           "(nxdi only), or a plain cast without scales (neuron only)")
+    kv_cache: str = _opt("", choices=("", "int8", "fp8"),
+                         doc="'' = handler.dtype; fp8 on both backends, int8 on neuron only "
+                             "(a cast without scales)")
+    skip_modules: list[str] = _opt([], doc="kept in handler.dtype: transformers-neuronx's "
+                                           "no_quantize_list (model.layers.N), NxD Inference's "
+                                           "modules_to_not_convert (e.g. lm_head)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.weights or self.kv_cache)
+
+
+@dataclass(frozen=True)
 class NeuronSettings:
-    """transformers-neuronx compile settings; only read when backend is neuron."""
+    """Settings of both Neuron backends (transformers-neuronx: backend neuron; NxD Inference:
+    backend nxdi, whose own settings are `handler.nxdi`); only read by those backends."""
 
     tp_degree: int = _opt(2, lo=1, hi=128, doc="NeuronCores per model; the Inf2 runtime supports "
                                                 "1, 2, 4, 8, 24 (`inf2serve validate` checks)")
-    amp: str = _opt("bf16", choices=("bf16", "f16", "f32"))
     model_class_name: str = _opt("llama.model.LlamaForSampling")
     context_length_estimate: list[int] = _opt([], lo=1,
                                               doc="prefill buckets; empty = n_positions")
@@ -76,6 +118,13 @@ class NeuronSettings:
                             "default). Each compiler process needs GBs of host memory")
     architecture: str = _opt("", doc="known architecture (e.g. llama-2-7b) for `validate` "
                                      "without a checkpoint")
+    quantization: QuantizationSettings = field(default_factory=QuantizationSettings)
+    on_device_sampling: bool = _opt(False, doc="sample on the device with each request's "
+                                               "top-k/top-p/temperature; requests with a seed, "
+                                               "min_new_tokens, penalties or logprobs are "
+                                               "refused (continuous batching only)")
+    global_top_k: int = _opt(256, lo=1, doc="on-device sampling draws from this many best "
+                                            "tokens; a request's top_k above it is refused")
 
 
 @dataclass(frozen=True)
@@ -103,7 +152,7 @@ class SyntheticSettings:
 
 @dataclass(frozen=True)
 class NxdiSettings:
-    """NxD Inference settings; only read when backend is nxdi. tp_degree, amp, prefill
+    """NxD Inference settings; only read when backend is nxdi. tp_degree, prefill
     buckets (context_length_estimate), compiler_flags, the compile cache and NeuronCore
     allocation come from `handler.neuron`, which means the same for both backends."""
 
@@ -113,11 +162,9 @@ class NxdiSettings:
                                                               "empty = max_length")
     max_context_length: int = _opt(0, lo=0, doc="longest prompt compiled; 0 = the largest "
                                                 "prefill bucket (or max_length)")
-    on_device_sampling: bool = _opt(False, doc="sample on the device (per-request top-k/top-p/"
-                                               "temperature); requests with a seed, "
-                                               "min_new_tokens, penalties or logprobs are "
-                                               "refused")
-    global_topk: int = _opt(256, lo=1, doc="on-device sampling draws from this many best tokens")
+    async_mode: bool = _opt(False, doc="NxD Inference queues the next decode before the host "
+                                       "has read this one; needs handler.neuron."
+                                       "on_device_sampling")
     fused_qkv: bool = _opt(False)
     sequence_parallel_enabled: bool = _opt(False)
 
@@ -143,7 +190,9 @@ class HandlerConfig:
                            "frees its slot (TorchServe 0.12 reports no disconnects)")
     max_request_timeout_s: float = _opt(3600.0, lo=0.0,
                                         doc="the longest `timeout` a request may ask; 0 = no cap")
-    dtype: str = _opt("float32", choices=("float32", "bfloat16", "float16"))
+    dtype: str = _opt("auto", choices=("auto", "float32", "bfloat16", "float16"),
+                      doc="weights and compute, every backend; auto = float32 for torch and "
+                          "synthetic, bfloat16 for neuron and nxdi")
     device: str = _opt("auto", choices=("auto", "cpu", "cuda"))
     threads: int = _opt(0, lo=0, doc="torch intra-op threads; 0 = torch default")
     warmup: bool = _opt(True)
@@ -166,6 +215,17 @@ class HandlerConfig:
     @property
     def effective_micro_batch_size(self) -> int:
         return self.micro_batch_size or self.batch_size
+
+    @property
+    def torch_dtype(self) -> str:
+        """handler.dtype resolved for this backend (`auto` is never left)."""
+        return resolve_dtype(self.backend, self.dtype)
+
+    @property
+    def amp(self) -> str:
+        """The same precision in the Neuron SDK's spelling (bf16, f16, f32), as the
+        compile-cache key has always recorded it."""
+        return DTYPE_AMP[self.torch_dtype]
 
 
 @dataclass(frozen=True)
@@ -324,6 +384,8 @@ def _cross_check(cfg: ModelConfig) -> None:
                           f"use integers in [1, handler.max_length {h.max_length}]")
     if h.backend == "synthetic":
         resolve_timing(h.synthetic, h.max_length)  # raises ConfigError naming the key
+    if h.backend in ("neuron", "nxdi"):
+        _check_neuron_features(h)
     if h.backend == "nxdi":
         _check_nxdi(h)
     if not fe.async_communication:
@@ -360,6 +422,40 @@ def _check_chat_template_name(setting: str) -> None:
                       f"chat.jinja{hint}")
 
 
+def _check_neuron_features(h: HandlerConfig) -> None:
+    """What each SDK refuses of quantization and on-device sampling, named by our keys."""
+    q, n = h.neuron.quantization, h.neuron
+    key = "handler.neuron.quantization"
+    if h.backend == "neuron":
+        if q.weights and q.method == "per_tensor":
+            # transformers-neuronx: quantize_method in ['vector_dynamic', 'direct_cast']
+            # (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/config.py:L35)
+            raise ConfigError(f"{key}.method: 'per_tensor' is not a transformers-neuronx "
+                              "method; choose 'per_channel' (vector_dynamic) or 'direct_cast', "
+                              "or use backend nxdi")
+        if n.on_device_sampling and h.batching != "continuous":
+            raise ConfigError("handler.neuron.on_device_sampling: needs handler.batching "
+                              "'continuous'; micro batching samples through the SDK's sample(), "
+                              "which ignores per-request parameters on the device")
+    else:
+        if q.weights and q.method == "direct_cast":
+            # NxD Inference quantizes Llama per tensor or per channel only
+            # (aws-neuron/neuronx-distributed-inference@cd3abf3:src/neuronx_distributed_inference/
+            # models/application_base.py:L774-L788)
+            raise ConfigError(f"{key}.method: 'direct_cast' is not an NxD Inference method; "
+                              "choose 'per_channel' or 'per_tensor', or use backend neuron")
+        if q.kv_cache == "int8":
+            # its KV-cache quantization is fp8 (models/config.py:L299-L304 with
+            # neuronx-distributed's KVQuantizationConfig)
+            raise ConfigError(f"{key}.kv_cache: 'int8' is not an NxD Inference KV-cache type; "
+                              "choose 'fp8' or '' (handler.dtype)")
+        if h.nxdi.async_mode and not n.on_device_sampling:
+            # each async step feeds the device's own output back as the next input ids
+            # (modules/async_execution.py:L261-L274), so tokens must come from the device
+            raise ConfigError("handler.nxdi.async_mode: needs handler.neuron.on_device_sampling: "
+                              "true (the next step's input is the device's own token)")
+
+
 def _check_nxdi(h: HandlerConfig) -> None:
     x = h.nxdi
     if h.batching != "continuous":
@@ -386,6 +482,59 @@ def _check_nxdi(h: HandlerConfig) -> None:
                           "prefill bucket <= max_context_length")
 
 
+def _legacy_amp(handler: dict[str, Any]) -> dict[str, Any]:
+    """`handler` with a legacy handler.neuron.amp folded into handler.dtype: precision was
+    two keys (amp for the Neuron backends, dtype for torch) and is one now, so configs and
+    archives written before still load, and a file that sets both differently is refused
+    rather than one of them silently ignored."""
+    neuron = handler.get("neuron")
+    if not isinstance(neuron, dict) or "amp" not in neuron:
+        return handler
+    neuron = dict(neuron)
+    amp = neuron.pop("amp")
+    if not isinstance(amp, str) or amp not in AMP_DTYPE:
+        allowed = ", ".join(repr(a) for a in AMP_DTYPE)
+        raise ConfigError(f"handler.neuron.amp: {amp!r} is not allowed; choose one of {allowed} "
+                          "(or better, set handler.dtype)")
+    warnings.warn(f"handler.neuron.amp is deprecated; use handler.dtype: {AMP_DTYPE[amp]} "
+                  "(one precision key for every backend)", DeprecationWarning, stacklevel=3)
+    if handler.get("backend", "torch") not in ("neuron", "nxdi"):
+        return {**handler, "neuron": neuron}  # it never applied there: ignored, as before
+    dtype = handler.get("dtype")
+    if isinstance(dtype, str) and dtype in DTYPE_AMP and dtype != AMP_DTYPE[amp]:
+        raise ConfigError(f"handler.neuron.amp: {amp!r} conflicts with handler.dtype {dtype!r}; "
+                          "precision is one key now, handler.dtype: remove handler.neuron.amp")
+    if dtype in (None, "auto"):
+        dtype = AMP_DTYPE[amp]
+    return {**handler, "neuron": neuron, "dtype": dtype}  # a bad dtype is reported by _build
+
+
+#: handler.nxdi keys that became handler.neuron keys (one setting for both Neuron backends)
+NXDI_MOVED = {"on_device_sampling": "on_device_sampling", "global_topk": "global_top_k"}
+
+
+def _legacy_nxdi(handler: dict[str, Any]) -> dict[str, Any]:
+    """`handler` with handler.nxdi.on_device_sampling / global_topk moved to handler.neuron,
+    where on-device sampling is set for both Neuron backends now; a file that sets both
+    places differently is refused."""
+    nxdi = handler.get("nxdi")
+    if not isinstance(nxdi, dict) or not set(nxdi) & set(NXDI_MOVED):
+        return handler
+    nxdi, neuron = dict(nxdi), dict(handler.get("neuron") or {})
+    for old, new in NXDI_MOVED.items():
+        if old not in nxdi:
+            continue
+        value = nxdi.pop(old)
+        if new in neuron and neuron[new] != value:
+            raise ConfigError(f"handler.nxdi.{old}: {value!r} conflicts with handler.neuron.{new} "
+                              f"{neuron[new]!r}; it is one setting now, handler.neuron.{new}: "
+                              f"remove handler.nxdi.{old}")
+        warnings.warn(f"handler.nxdi.{old} is deprecated; use handler.neuron.{new} (one "
+                      "setting for both Neuron backends)", DeprecationWarning, stacklevel=3)
+        neuron[new] = value
+    return {**handler, "nxdi": nxdi, "neuron": neuron}
+
+
 def parse_config(data: dict[str, Any] | None) -> ModelConfig:
     """Build a validated ModelConfig from the YAML mapping (TorchServe keys + `handler:`)."""
     if data is not None and not isinstance(data, dict):
@@ -395,6 +544,7 @@ def parse_config(data: dict[str, Any] | None) -> ModelConfig:
     handler = data.pop("handler", {}) or {}
     if not isinstance(handler, dict):
         raise ConfigError("handler: expected a mapping")
+    handler = _legacy_nxdi(_legacy_amp(handler))
     cfg = ModelConfig(frontend=_build(FrontendConfig, data), handler=_build(HandlerConfig, handler,
                                                                               "handler"))
     _cross_check(cfg)

@@ -29,8 +29,13 @@ class HandlerConfig(Protocol):
     batching: str
     batch_size: int
     max_length: int
-    neuron: Any  # tp_degree, amp, gqa, context_length_estimate, compiler_flags, ...
+    neuron: Any  # tp_degree, gqa, context_length_estimate, compiler_flags, ...
     nxdi: Any  # model_class, max_context_length, token_generation_buckets, ...
+
+    @property
+    def amp(self) -> str:
+        """handler.dtype resolved, in the Neuron spelling the key records (bf16, f16, f32)."""
+        ...
 
 #: distributions whose versions are part of the key (read with importlib.metadata): each one
 #: changes the NEFFs. transformers-neuronx builds the HLO with torch-neuronx's pyhlo, and
@@ -142,12 +147,35 @@ def _digest(data: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+#: handler.neuron.quantization's types and methods in transformers-neuronx's spelling
+#: (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/config.py:L29-L71)
+TNX_QUANT_DTYPES = {"int8": "s8", "fp8": "f8e4m3fn"}
+TNX_QUANT_METHODS = {"per_channel": "vector_dynamic", "direct_cast": "direct_cast"}
+#: and NxD Inference's (neuronx-distributed-inference@cd3abf3: models/config.py:L216-L226)
+NXDI_QUANT_DTYPES = {"int8": "int8", "fp8": "f8e4m3"}
+
+
 def neuron_config_spec(config: HandlerConfig) -> dict[str, Any]:
-    """The NeuronConfig we build, as plain data (the backend turns it into SDK objects)."""
-    return {
+    """The NeuronConfig we build, as plain data (the backend turns it into SDK objects).
+    A feature left off adds nothing, so the keys of configs without it never change."""
+    n = config.neuron
+    spec: dict[str, Any] = {
         "continuous_batching": config.batch_size if config.batching == "continuous" else None,
-        "group_query_attention": config.neuron.gqa or None,
+        "group_query_attention": n.gqa or None,
     }
+    q = n.quantization
+    if q.weights:  # dequantized to amp, as the SDK's guide requires and vLLM does
+        spec["quant"] = {"quant_dtype": TNX_QUANT_DTYPES[q.weights],
+                         "dequant_dtype": config.amp,
+                         "quantize_method": TNX_QUANT_METHODS.get(q.method, q.method),
+                         "no_quantize_list": [str(m) for m in q.skip_modules]}
+    if q.kv_cache:
+        spec["kv_cache_quant"] = {"quant_dtype": TNX_QUANT_DTYPES[q.kv_cache],
+                                  "dequant_dtype": config.amp, "quantize_method": "direct_cast"}
+    if n.on_device_sampling:  # per-slot parameters written at run time (dynamic)
+        spec["on_device_generation"] = {"do_sample": True, "dynamic": True,
+                                        "per_batch_line": True, "global_top_k": n.global_top_k}
+    return spec
 
 
 def context_buckets(config: HandlerConfig) -> list[int]:
@@ -176,18 +204,34 @@ def nxdi_neuron_config(config: HandlerConfig) -> dict[str, Any]:
     x, n = config.nxdi, config.neuron
     ctx, tkg, top = nxdi_buckets(config)
     sampling = None
-    if x.on_device_sampling:
+    if n.on_device_sampling:
         sampling = {"dynamic": True, "do_sample": True, "deterministic": False,
-                    "global_topk": x.global_topk}
+                    "global_topk": n.global_top_k}
     return {
         "batch_size": config.batch_size, "ctx_batch_size": 1, "tkg_batch_size": config.batch_size,
         "is_continuous_batching": True, "seq_len": config.max_length, "max_context_length": top,
-        "torch_dtype": AMP_DTYPES[n.amp], "tp_degree": n.tp_degree, "padding_side": "right",
+        "torch_dtype": AMP_DTYPES[config.amp], "tp_degree": n.tp_degree, "padding_side": "right",
         "enable_bucketing": True, "context_encoding_buckets": ctx,
         "token_generation_buckets": tkg, "on_device_sampling_config": sampling,
         "fused_qkv": x.fused_qkv, "sequence_parallel_enabled": x.sequence_parallel_enabled,
         "logical_nc_config": 1,  # Inf2 and Trn1 have one physical core per logical core
+        **nxdi_features(config),
     }
+
+
+def nxdi_features(config: HandlerConfig) -> dict[str, Any]:
+    """Quantization and async mode as NeuronConfig keywords; nothing for a feature left
+    off. The pre-quantized checkpoint's path is not here: the backend adds where it is."""
+    q, out = config.neuron.quantization, {}
+    if q.weights:
+        out.update(quantized=True, quantization_type=f"{q.method}_symmetric",
+                   quantization_dtype=NXDI_QUANT_DTYPES[q.weights],
+                   modules_to_not_convert=[str(m) for m in q.skip_modules] or None)
+    if q.kv_cache:
+        out["kv_cache_quant"] = True
+    if config.nxdi.async_mode:
+        out["async_mode"] = True
+    return out
 
 
 def key_inputs(config: HandlerConfig, model_config: dict[str, Any],
@@ -198,14 +242,14 @@ def key_inputs(config: HandlerConfig, model_config: dict[str, Any],
         return KeyInputs(
             model_config=graph_config(model_config),
             model_class=NXDI_CLASS_PREFIX + config.nxdi.model_class, tp_degree=n.tp_degree,
-            amp=n.amp, batch_size=config.batch_size, n_positions=config.max_length,
+            amp=config.amp, batch_size=config.batch_size, n_positions=config.max_length,
             context_length_estimate=nxdi_buckets(config)[0],
             neuron_config=nxdi_neuron_config(config),
             compiler_flags=[str(f) for f in n.compiler_flags],
             sdk=sdk_versions(NXDI_SDK_DISTRIBUTIONS) if sdk is None else dict(sdk))
     return KeyInputs(
         model_config=graph_config(model_config), model_class=n.model_class_name,
-        tp_degree=n.tp_degree, amp=n.amp, batch_size=config.batch_size,
+        tp_degree=n.tp_degree, amp=config.amp, batch_size=config.batch_size,
         n_positions=config.max_length, context_length_estimate=context_buckets(config),
         neuron_config=neuron_config_spec(config), compiler_flags=[str(f) for f in n.compiler_flags],
         sdk=sdk_versions() if sdk is None else dict(sdk),

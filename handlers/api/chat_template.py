@@ -33,7 +33,20 @@ LLAMA2_CHAT = (
     "{% endfor %}"
 )
 
-PRESETS: dict[str, str] = {"llama-2": LLAMA2_CHAT}
+# Llama-3 / 3.1 Instruct chat: each message as a header block ended by <|eot_id|>, BOS once
+# at the start, and an open assistant header as the generation prompt. Tools are not
+# rendered here (a checkpoint's own template, left empty in the config, does that).
+LLAMA3_CHAT = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' "
+    "+ message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+
+PRESETS: dict[str, str] = {"llama-2": LLAMA2_CHAT, "llama-3": LLAMA3_CHAT}
 
 
 def is_inline(setting: str) -> bool:

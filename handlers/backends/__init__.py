@@ -26,7 +26,7 @@ def capabilities_for(config: HandlerConfig) -> Capabilities:
     if config.backend == "nxdi":
         from handlers.backends.nxdi_backend import capabilities
 
-        return capabilities(config.nxdi.on_device_sampling, config.nxdi.global_topk)
+        return capabilities(config.neuron.on_device_sampling, config.neuron.global_top_k)
     if config.backend == "synthetic":
         from handlers.backends.synthetic_backend import SyntheticBackend
 

@@ -6,11 +6,15 @@ rules -- prefill into free, distinct slots; decode every running slot -- are che
 here, once, around each backend's own `_prefill`/`_decode`/`_release`/`_step`):
 
     prefill(slots, prompts, params) -> first token of each new sequence
-    decode(slots)                   -> next token of every running sequence
+    decode(slots)                   -> the next tokens of every running sequence, a list
+                                       per row: one, or up to `max_tokens_per_step` where
+                                       a step accepts several (speculative decoding)
     release(slots)                  -> forget finished sequences
 
 and, where `mixes_prefill` is true, `step(slots, prompts, params, running)`: the
-prefill and the running batch's decode in one model call.
+prefill and the running batch's decode in one model call. A row's tokens may run past
+its end (EOS, a length limit): the engine keeps them up to the first that ends it
+(`Sequence.extend`), so a backend never needs to know a request's limits.
 
 Token ids cross this boundary as plain ints so the scheduler stays free of torch.
 Sampling (greedy, temperature, top-k, top-p, per-request seed, min_new_tokens)
@@ -99,6 +103,8 @@ class Capabilities:
 #: one token's log-probability under the model (raw logits, before any sampling
 #: parameter) and the top alternatives: (logprob, ((token id, logprob), ...))
 TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+#: a decode's output: each row's new tokens, in the order of the slots asked for
+Rows = list[list[int]]
 
 
 class SlotError(GenerationError):
@@ -118,6 +124,9 @@ class Backend(ABC):
     eos_token_ids: frozenset[int]
     #: whether `step` can run newcomers' prefill together with the running batch's decode
     mixes_prefill: bool = False
+    #: the most tokens one decode yields per row (> 1: speculation); the engine's
+    #: arithmetic of which decodes can end a sequence by length reads it
+    max_tokens_per_step: int = 1
     #: what requests it honours (default: host sampling from full logits, everything)
     capabilities: Capabilities = Capabilities()
 
@@ -130,8 +139,9 @@ class Backend(ABC):
         self._busy().update(slots)  # only once it ran: a failed prefill took no slot
         return tokens
 
-    def decode(self, slots: Sequence[int]) -> list[int]:
-        """One step for the running sequences in `slots` (all of them); next token of each."""
+    def decode(self, slots: Sequence[int]) -> Rows:
+        """One step for the running sequences in `slots` (all of them); each one's new
+        tokens (at least one, at most `max_tokens_per_step`)."""
         self._check_running(slots)
         return self._decode(list(slots))
 
@@ -144,7 +154,7 @@ class Backend(ABC):
 
     def step(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
              params: Sequence[SamplingParams], running: Sequence[int]
-             ) -> tuple[list[int], list[int]]:
+             ) -> tuple[list[int], Rows]:
         """`prefill(slots, ...)` and `decode(running)` as one call, for backends where that
         is cheaper (`mixes_prefill`). On failure the running batch must be as it was."""
         if not self.mixes_prefill:
@@ -161,7 +171,7 @@ class Backend(ABC):
         """`prefill` for free, distinct, in-range slots."""
 
     @abstractmethod
-    def _decode(self, slots: list[int]) -> list[int]:
+    def _decode(self, slots: list[int]) -> Rows:
         """`decode` of exactly the running slots."""
 
     @abstractmethod
@@ -170,7 +180,7 @@ class Backend(ABC):
 
     def _step(self, slots: list[int], prompts: list[Sequence[int]],
               params: list[SamplingParams], running: list[int]
-              ) -> tuple[list[int], list[int]]:
+              ) -> tuple[list[int], Rows]:
         raise NotImplementedError(f"{type(self).__name__} does not mix prefill into decode")
 
     def _busy(self) -> set[int]:
@@ -200,7 +210,8 @@ class Backend(ABC):
 
     def token_logprobs(self, slot: int) -> TokenLogprob | None:
         """The last token of `slot`'s logprob, for a sequence whose `SamplingParams.logprobs`
-        is set (backends that sample on the host; the others refuse such requests)."""
+        is set (backends that sample on the host, one token per step; the others refuse
+        such requests)."""
         return None
 
     def prompt_logprobs(self, slot: int) -> list[TokenLogprob | None] | None:

@@ -28,6 +28,7 @@ from typing import Any
 from handlers.backends.base import (
     Backend,
     Capabilities,
+    Rows,
     SamplingParams,
     TokenLogprob,
     import_sdk_class,
@@ -120,7 +121,7 @@ class NeuronBackend(Backend):
             runner_cls = _ContinuousRunner if config.batching == "continuous" else _MicroRunner
             runner_cls.check(model_cls, context_buckets(config))  # before compiling
             inputs = key_inputs(config, model_config)
-            kwargs = {"batch_size": config.batch_size, "tp_degree": n.tp_degree, "amp": n.amp,
+            kwargs = {"batch_size": config.batch_size, "tp_degree": n.tp_degree, "amp": config.amp,
                       "n_positions": config.max_length,
                       "context_length_estimate": context_buckets(config),
                       "neuron_config": build_neuron_config(inputs.neuron_config,
@@ -147,8 +148,8 @@ class NeuronBackend(Backend):
         return self._runner.prefill(list(slots), [list(p) for p in prompts], list(params),
                                     self.eos_token_ids)
 
-    def _decode(self, slots: Sequence[int]) -> list[int]:
-        return self._runner.decode(list(slots))
+    def _decode(self, slots: Sequence[int]) -> Rows:
+        return [[token] for token in self._runner.decode(list(slots))]
 
     def _release(self, slots: Sequence[int]) -> None:
         self._runner.release(list(slots))

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 #: the compiler's own cache, inside our compile-cache directory
 COMPILER_CACHE_SUBDIR = "neuronx-cc"
+#: fp8 as NeuronCore-v2 runs it: torch's float8_e4m3fn converted to the core's e4m3
+FP8_FLAG = "--internal-hlo2tensorizer-options=--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
 
 
 def format_cores(cores: Sequence[int]) -> str:
@@ -51,11 +53,25 @@ def neuron_env(config: HandlerConfig, visible_cores: Sequence[int],
     if len(visible_cores) != config.neuron.tp_degree:
         raise ConfigError(f"{len(visible_cores)} visible NeuronCores for tp_degree "
                           f"{config.neuron.tp_degree}; a worker needs exactly tp_degree cores")
+    env = {}
+    q = config.neuron.quantization
+    if "fp8" in (q.weights, q.kv_cache):
+        if config.backend == "nxdi":
+            # NxD Inference adds the compiler flag itself (models/model_wrapper.py:L148-L157);
+            # its guide and demo set these for fp8 (inference_demo.py:L465-L467)
+            env.update(XLA_HANDLE_SPECIAL_SCALAR="1", UNSAFE_FP8FNCAST="1")
+        elif FP8_FLAG not in flags:
+            # transformers-neuronx passes NEURON_CC_FLAGS through; its demo adds this for an
+            # fp8 cache, since NeuronCore-v2 runs e4m3, not torch's e4m3fn
+            # (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/
+            # generation_demo.py:L558-L559, L570)
+            flags.append(FP8_FLAG)
     return {
         "NEURON_CC_FLAGS": " ".join(flags),
         "NEURON_RT_NUM_CORES": str(len(visible_cores)),
         "NEURON_RT_VISIBLE_CORES": format_cores(visible_cores),
         "NEURON_COMPILE_CACHE_URL": str(cache_root(config, model_dir) / COMPILER_CACHE_SUBDIR),
+        **env,
     }
 
 

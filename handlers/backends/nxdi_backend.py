@@ -10,7 +10,7 @@ are sharded from the checkpoint at every load).
 Continuous batching only, as vLLM's NxDI plugin runs it: one context row per call, each
 slot a KV-cache line addressed by its seq_id, decode of every running slot per step with
 seq_ids sorted. Sampling on the host with each request's own parameters, or on the device
-(handler.nxdi.on_device_sampling) with per-row top-k/top-p/temperature.
+(handler.neuron.on_device_sampling) with per-row top-k/top-p/temperature.
 Citations: aws-neuron/neuronx-distributed-inference@cd3abf3:src/neuronx_distributed_inference/.
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 from handlers.backends.base import (
     Backend,
     Capabilities,
+    Rows,
     SamplingParams,
     TokenLogprob,
     import_sdk_class,
@@ -137,7 +138,7 @@ def capabilities(on_device_sampling: bool, global_topk: int) -> Capabilities:
     logprobs; the on-device sampler (modules/generation/sampling.py:L99-L182) takes per
     row only top-k (at most global_topk), top-p and temperature, draws from the device's
     own RNG and returns token ids, not logits."""
-    why = ("handler.nxdi.on_device_sampling samples on the device, which takes only top_k, "
+    why = ("handler.neuron.on_device_sampling samples on the device, which takes only top_k, "
            "top_p and temperature per request and returns token ids; turn it off to sample "
            "on the host")
     unsupported = {"prompt_logprobs": "handler.backend nxdi returns logits for the last "
@@ -149,7 +150,7 @@ def capabilities(on_device_sampling: bool, global_topk: int) -> Capabilities:
                     "presence_penalty", "logprobs"):
         unsupported[feature] = why
     return Capabilities(unsupported, max_top_k=global_topk,
-                        max_top_k_setting="handler.nxdi.global_topk, the most the on-device "
+                        max_top_k_setting="handler.neuron.global_top_k, the most the on-device "
                         "sampler considers")
 
 
@@ -186,8 +187,8 @@ class NxdiBackend(Backend):
         self.largest_bucket = ctx[-1]
         # checked at submit, so a too-long prompt is a 400 for that request
         self.max_prompt_length = min(ctx[-1], config.max_length - 1)
-        self.on_device, self.global_topk = x.on_device_sampling, x.global_topk
-        self.capabilities = capabilities(x.on_device_sampling, x.global_topk)
+        self.on_device, self.global_topk = n.on_device_sampling, n.global_top_k
+        self.capabilities = capabilities(n.on_device_sampling, n.global_top_k)
         self._claim = backend_claim(n, cores)
         try:
             apply_neuron_env(neuron_env(config, self._claim.cores, model_dir))
@@ -249,7 +250,7 @@ class NxdiBackend(Backend):
             out.append(token)
         return out
 
-    def _decode(self, slots: Sequence[int]) -> list[int]:
+    def _decode(self, slots: Sequence[int]) -> Rows:
         # every running slot, as the base class checks: padding writes row 0 into every
         # line not in the call (model_wrapper.py:L515), so a decode of fewer would
         # overwrite the others' KV-cache lines
@@ -260,7 +261,7 @@ class NxdiBackend(Backend):
         by_slot = {}
         for slot, row, token in zip(order, rows, tokens, strict=True):
             row.length, row.last = row.length + 1, token
-            by_slot[slot] = token
+            by_slot[slot] = [token]
         return [by_slot[s] for s in slots]
 
     def _release(self, slots: Sequence[int]) -> None:

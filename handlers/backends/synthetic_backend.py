@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handlers.backends.base import Backend, Capabilities, SamplingParams, read_eos_ids
+from handlers.backends.base import Backend, Capabilities, Rows, SamplingParams, read_eos_ids
 from handlers.backends.synthetic_timing import DeviceTiming, resolve_timing
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, RequestError
@@ -281,13 +281,13 @@ class SyntheticBackend(Backend):
             tokens = self._host.pick([row.sampler for row in rows], tokens)
         return tokens
 
-    def _decode(self, slots: Sequence[int]) -> list[int]:
+    def _decode(self, slots: Sequence[int]) -> Rows:
         start = self._clock()
         tokens = [self._next(self._rows[s]) for s in slots]
         self._wait(start, self._decode_s)
         if self._host is not None:  # after the device call, as on Neuron
             tokens = self._host.pick([self._rows[s].sampler for s in slots], tokens)
-        return tokens
+        return [[token] for token in tokens]
 
     def _release(self, slots: Sequence[int]) -> None:
         for slot in slots:

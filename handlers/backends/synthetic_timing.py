@@ -51,9 +51,16 @@ class Preset:
 PREFILL_NOTE = ("preset prefill times: the 128 bucket is published, larger buckets are "
                 "estimates")
 _BUCKETS = (128, 512, 1024, 2048)
+#: Llama-3-8B with int8 weights (transformers-neuronx, Neuron 2.18.1, tp_degree 24, f16 amp,
+#: sequence length 4096): TPOT 6.42 ms at batch 1 and TTFT 25 ms / 101.81 ms for 128- / 2048-
+#: token prompts (latency_data_decoder.csv:L4-L5), TPOT 10.45 ms at batch 8
+#: (throughput_data_decoder.csv:L4); the 512 and 1024 buckets interpolated between the two
+#: published prefills. The only published int8 Inf2 rows; no bf16 Llama-3-8B row exists to
+#: pair them with, so the bf16 presets are Llama-2's.
 PRESETS: dict[str, Preset] = {
     "llama-2-7b-tp24": Preset(6.5, 12.1, _BUCKETS, (27.6, 60.0, 100.0, 180.0)),
     "llama-2-13b-tp24": Preset(9.2, 14.9, _BUCKETS, (25.9, 55.7, 95.4, 174.9)),
+    "llama-3-8b-int8-tp24": Preset(6.42, 10.45, _BUCKETS, (25.0, 40.4, 60.8, 101.8)),
 }
 
 

@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask
 
-from handlers.backends.base import Backend, SamplingParams, SlotError, TokenLogprob
+from handlers.backends.base import Backend, Rows, SamplingParams, SlotError, TokenLogprob
 from handlers.backends.sampling import RowSampler, prompt_logprobs, sample_rows
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
@@ -195,11 +195,11 @@ class TorchBackend(Backend):
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = pick_device(config.device)
-        dtype = getattr(torch, config.dtype)
+        dtype = getattr(torch, config.torch_dtype)
         start = time.monotonic()
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(self.device)
         self.model.eval()
-        logger.info("loaded %s on %s (%s) in %.1fs", checkpoint, self.device, config.dtype,
+        logger.info("loaded %s on %s (%s) in %.1fs", checkpoint, self.device, config.torch_dtype,
                     time.monotonic() - start)
         self.batch_size = config.batch_size
         positions = getattr(self.model.config, "max_position_embeddings", config.max_length)
@@ -245,7 +245,7 @@ class TorchBackend(Backend):
         return tokens
 
     @torch.inference_mode()
-    def _decode(self, slots: Sequence[int]) -> list[int]:
+    def _decode(self, slots: Sequence[int]) -> Rows:
         order = {r.slot: i for i, r in enumerate(self._rows)}
         rows = self._rows
         ids = torch.tensor([[r.last_token] for r in rows], device=self.device)  # [B, 1]
@@ -257,12 +257,12 @@ class TorchBackend(Backend):
         for r, token in zip(rows, tokens, strict=True):
             r.length += 1
             r.last_token = token
-        return [rows[order[s]].last_token for s in slots]
+        return [[rows[order[s]].last_token] for s in slots]
 
     @torch.inference_mode()
     def _step(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-              params: Sequence[SamplingParams], running: Sequence[int]) -> tuple[list[int],
-                                                                                list[int]]:
+              params: Sequence[SamplingParams], running: Sequence[int]
+              ) -> tuple[list[int], Rows]:
         """Prefill newcomers into `slots` and decode the `running` batch in one forward."""
         order = {r.slot: i for i, r in enumerate(self._rows)}
         if not order:
@@ -303,7 +303,7 @@ class TorchBackend(Backend):
             r.length += 1
             r.last_token = token
         first = tokens[b:]
-        decoded = [rows[order[s]].last_token for s in running]
+        decoded = [[rows[order[s]].last_token] for s in running]
         self._rows += [_Row(slot, len(prompt), token, sampler) for slot, prompt, token, sampler
                        in zip(slots, prompts, first, samplers, strict=True)]
         self._append_rows(plan.new_cache, new_mask)

@@ -42,17 +42,17 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import NamedTuple
 
-from handlers.backends.base import Backend
+from handlers.backends.base import Backend, Rows
 from handlers.engine.scheduler import ErrorEvent, Event, Scheduler, Sequence, TextEvent
 
 logger = logging.getLogger(__name__)
 
 #: observer(name, value, unit) for metrics such as time to first token
 Observer = Callable[[str, float, str], None]
-#: one entry of a step's output, in order: (sequence, token, finish reason or None) for a
-#: generated token; (sequence, None, event) for an end the engine decided (cancel,
-#: failure); (sequence, None, "timeout") for a deadline
-Item = tuple[Sequence, "int | None", "str | Event | None"]
+#: one entry of a step's output, in order: (sequence, tokens, finish reason or None) for
+#: a step's generated tokens (those `Sequence.extend` kept); (sequence, None, event) for an
+#: end the engine decided (cancel, failure); (sequence, None, "timeout") for a deadline
+Item = tuple[Sequence, "list[int] | None", "str | Event | None"]
 
 
 class Unrecorded(NamedTuple):
@@ -60,13 +60,18 @@ class Unrecorded(NamedTuple):
     that the engine knew could finish none of them (`Engine._hand_over`)."""
 
     seqs: list[Sequence]
-    tokens: list[int]
+    rows: Rows
 
 
 class Engine:
     def __init__(self, backend: Backend, scheduler: Scheduler,
                  observer: Observer | None = None,
                  after_step: Callable[[], None] | None = None) -> None:
+        if backend.max_tokens_per_step > 1 and "logprobs" not in backend.capabilities.unsupported:
+            # a backend's logprobs are its last token's (`Backend.token_logprobs`)
+            raise ValueError(f"{type(backend).__name__} yields up to "
+                             f"{backend.max_tokens_per_step} tokens a step, so it must refuse "
+                             "logprobs (Capabilities.unsupported)")
         self.backend = backend
         self.scheduler = scheduler
         self._observe = observer or (lambda name, value, unit: None)
@@ -78,18 +83,20 @@ class Engine:
         self._output: OutputThread | None = None
         self._stopping = False
         self._load: tuple[int, int] | None = None  # (waiting, busy) last reported
-        #: the current step's output (engine thread)
+        # Engine thread only: the step's output, and what the fast path knows of the batch.
         self._items: list[Item] | Unrecorded = []
-        #: the last decode's batch and slots, while decoding them again is the whole step
+        #: the last decode's batch and slots, while decoding them again is the whole step;
+        #: None after anything the engine did that changes it (a finish, a failure)
         self._batch: tuple[list[Sequence], list[int]] | None = None
-        #: something since the last full step may change the batch: a finish, a failure,
-        #: a cancel, an end on the output side (a stop string)
-        self._changed = False
         self._next_deadline = float("inf")  # the running batch's earliest deadline
         #: decodes of the last batch again that cannot finish a sequence by length
         self._quiet = 0
         #: a step went to the output side `Unrecorded`: settle before adding tokens here
         self._behind = False
+        #: the other threads' one signal to the engine, set under `_cond`: something that
+        #: may change the batch happened there (a cancel; an end on the output side, a stop
+        #: string). The engine clears it, under `_cond`, as a full step begins
+        self._poked = False
 
     # -- called from request threads -------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -101,7 +108,7 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         with self._cond:
             seq = self.scheduler.cancel(request_id)
-            self._changed = True
+            self._poked = True
             self._cond.notify()
         if seq is not None and seq.slot is None:  # it waited: no step ever saw it
             _emit(seq, ErrorEvent(499, "cancelled"))
@@ -167,7 +174,7 @@ class Engine:
 
     def _unchanged_batch(self) -> tuple[list[Sequence], list[int]] | None:
         """The last decode's batch, if the next step is only its decode again."""
-        if (self._batch is None or self._changed or self._stopping or self.scheduler.waiting
+        if (self._batch is None or self._poked or self._stopping or self.scheduler.waiting
                 or time.monotonic() >= self._next_deadline):
             return None
         return self._batch
@@ -193,7 +200,7 @@ class Engine:
             self._settle()
             self._fail(list(self.scheduler.running.values()), 500, "internal error")
         finally:
-            if batch is None or self._changed:
+            if batch is None or self._batch is None:  # a full step, or a finish in this one
                 self._report_load()
         items, self._items = self._items, []
         return items
@@ -210,7 +217,7 @@ class Engine:
     def _step(self) -> None:
         self._batch = None
         with self._cond:
-            self._changed = False  # before the scan: a later cancel or end sets it again
+            self._poked = False  # before the scan: a later cancel or end sets it again
             waited, overdue = self.scheduler.take_expired()
             cancelled = self.scheduler.take_cancelled()  # and those a stop string ended
             newcomers = self.scheduler.admit()  # into the slots freed just now, too
@@ -247,7 +254,7 @@ class Engine:
 
     def _decode(self, batch: list[Sequence], slots: list[int]) -> None:
         self._batch = (batch, slots)
-        self._call(batch, lambda: self.backend.decode(slots), "decode")
+        self._call(batch, lambda: self.backend.decode(slots), "decode", self._deliver)
 
     def _decode_again(self, batch: list[Sequence], slots: list[int]) -> None:
         """The last batch's decode again (`_unchanged_batch`); its tokens are recorded by
@@ -258,22 +265,26 @@ class Engine:
         self._quiet -= 1
         self._call(batch, lambda: self.backend.decode(slots), "decode", self._hand_over)
 
-    def _hand_over(self, seqs: list[Sequence], tokens: list[int], what: str) -> None:
-        if len(tokens) == len(seqs) and self.backend.eos_token_ids.isdisjoint(tokens):
-            self._items = Unrecorded(seqs, tokens)
+    def _hand_over(self, seqs: list[Sequence], rows: Rows, what: str) -> None:
+        eos = self.backend.eos_token_ids
+        if len(rows) == len(seqs) and all(row and eos.isdisjoint(row) for row in rows):
+            self._items = Unrecorded(seqs, rows)
             self._behind = True
         else:
-            self._deliver(seqs, tokens, what)
+            self._deliver(seqs, rows, what)
 
     def _quiet_decodes(self, batch: list[Sequence]) -> int:
         """How many more decodes of `batch` finish no sequence by length (max_new_tokens,
-        max_length): the k-th finishes one with k tokens left. 0 for a batch with a
-        request that asked for logprobs: the backend's are read right after each decode."""
+        max_length): with up to m tokens a decode (`Backend.max_tokens_per_step`), the
+        j-th can finish one with `left` tokens to go once j * m >= left, so the first
+        (left - 1) // m cannot. 0 for a batch with a request that asked for logprobs: the
+        backend's are read right after each decode."""
         if any(s.sampling.logprobs is not None for s in batch):
             return 0
         limit = self.backend.max_length
-        return min(min(s.max_new_tokens, limit - len(s.prompt_ids)) - len(s.generated)
-                   for s in batch) - 1
+        left = min(min(s.max_new_tokens, limit - len(s.prompt_ids)) - len(s.generated)
+                   for s in batch)
+        return (left - 1) // self.backend.max_tokens_per_step
 
     def _settle(self) -> None:
         """Wait until the output side recorded every `Unrecorded` decode handed over: a
@@ -303,7 +314,7 @@ class Engine:
             logger.warning("packed step of %d newcomers and %d running sequences failed; "
                            "running them apart", len(newcomers), len(running), exc_info=True)
             return False
-        self._deliver(newcomers, first, "prefill")
+        self._deliver(newcomers, [[t] for t in first], "prefill")
         self._deliver(running, following, "decode")
         return True
 
@@ -311,9 +322,10 @@ class Engine:
         """Micro: the micro-batch lives or dies together (as the reference does). Continuous:
         newcomers share one call, and if it fails each is retried alone so only the culprit
         fails."""
-        def run(group: list[Sequence]) -> list[int]:
-            return self.backend.prefill([s.slot for s in group], [s.prompt_ids for s in group],
-                                        [s.sampling for s in group])
+        def run(group: list[Sequence]) -> Rows:
+            return [[t] for t in self.backend.prefill(
+                [s.slot for s in group], [s.prompt_ids for s in group],
+                [s.sampling for s in group])]
 
         if self.scheduler.policy == "micro" or len(seqs) == 1:
             self._call(seqs, lambda: run(seqs), "prefill")
@@ -327,30 +339,31 @@ class Engine:
             return
         self._deliver(seqs, tokens, "prefill")
 
-    def _call(self, seqs: list[Sequence], fn: Callable[[], list[int]], what: str,
-              deliver: Callable[[list[Sequence], list[int], str], None] | None = None) -> None:
+    def _call(self, seqs: list[Sequence], fn: Callable[[], Rows], what: str,
+              deliver: Callable[[list[Sequence], Rows, str], None] | None = None) -> None:
         try:
-            tokens = fn()
+            rows = fn()
         except Exception:
             ids = ", ".join(s.request_id for s in seqs)
             logger.exception("%s failed for request(s) %s", what, ids)
             self._fail(seqs, 500, f"generation failed ({what}); the worker log has the details")
             return
-        (deliver or self._deliver)(seqs, tokens, what)
+        (deliver or self._deliver)(seqs, rows, what)
 
-    def _deliver(self, seqs: list[Sequence], tokens: list[int], what: str) -> None:
+    def _deliver(self, seqs: list[Sequence], rows: Rows, what: str) -> None:
         self._settle()
-        if len(tokens) != len(seqs):
-            logger.error("%s returned %d tokens for %d sequences", what, len(tokens), len(seqs))
+        if len(rows) != len(seqs) or not all(rows):
+            logger.error("%s returned %d rows (%d empty) for %d sequences", what, len(rows),
+                         sum(not r for r in rows), len(seqs))
             self._fail(seqs, 500, f"generation failed ({what}); the worker log has the details")
             return
         eos, max_length = self.backend.eos_token_ids, self.backend.max_length
         finished = []
-        for seq, token in zip(seqs, tokens, strict=True):
-            reason = seq.add(token, eos, max_length)
+        for seq, row in zip(seqs, rows, strict=True):
+            kept, reason = seq.extend(row, eos, max_length)
             if seq.sampling.logprobs is not None:  # only requests that ask pay for this
                 self._record_logprobs(seq)
-            self._items.append((seq, token, reason))
+            self._items.append((seq, kept, reason))
             if reason is not None:
                 finished.append(seq)
         if finished:  # their slots are free for the next step's newcomers
@@ -365,7 +378,7 @@ class Engine:
         seq.logprobs.append(self.backend.token_logprobs(seq.slot))
 
     def _release(self, seqs: list[Sequence]) -> None:
-        self._changed = True
+        self._batch = None  # the next step is a full one
         with self._cond:
             slots = [slot for slot in (self.scheduler.finish(s) for s in seqs) if slot is not None]
         if slots:
@@ -386,14 +399,14 @@ class Engine:
         if type(items) is Unrecorded:
             items = self._record(items)
         out: list[tuple[Sequence, Event]] = []
-        for seq, token, what in items:
+        for seq, tokens, what in items:
             if seq.done:
                 continue
-            if token is not None:
+            if tokens is not None:
                 if seq.shown == 0:
                     self._observe("TimeToFirstToken",
                                   (seq.first_token_at - seq.arrived_at) * 1000, "ms")
-                text, reason = seq.render(token, what)
+                text, reason = seq.render(tokens, what)
                 if text:
                     out.append((seq, TextEvent(text, seq.shown)))
                 if reason is not None:
@@ -413,13 +426,13 @@ class Engine:
         (none is expected) ends the sequence on this side, like a stop string: it leaves
         at the next step."""
         eos, max_length = self.backend.eos_token_ids, self.backend.max_length
-        return [(seq, token, seq.add(token, eos, max_length))
-                for seq, token in zip(step.seqs, step.tokens, strict=True)]
+        return [(seq, *seq.extend(row, eos, max_length))
+                for seq, row in zip(step.seqs, step.rows, strict=True)]
 
     def _finish(self, seq: Sequence, reason: str) -> Event:
         seq.done = True
-        with self._cond:  # the output thread's one write of engine state, under its lock
-            self._changed = True  # after `done`: a stop string's end leaves at the next step
+        with self._cond:  # the output thread's one write of engine state
+            self._poked = True  # after `done`: a stop string's end leaves at the next step
         self._observe("GeneratedTokens", seq.shown, "count")
         return seq.finish_event(reason)
 

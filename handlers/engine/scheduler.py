@@ -61,9 +61,8 @@ class Sequence:
     """One request's generation state. Never calls the model.
 
     Split between two threads: the engine thread records token ids and the finish they
-    decide (`add`; the output side does, in order, for a decode known to finish nobody);
-    the output side turns them into text and finds stop strings (`render`, `cut`), one
-    step behind (handlers/engine/core.py)."""
+    decide (`extend`); the output side turns them into text and finds stop strings
+    (`render`, `cut`), one step behind (handlers/engine/core.py)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -77,7 +76,7 @@ class Sequence:
     slot: int | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
-    generated: list[int] = field(default_factory=list)  # `add`: every token
+    generated: list[int] = field(default_factory=list)  # `extend`: every token kept
     shown: int = 0  # output side: tokens turned into text (a prefix of `generated`)
     cancelled: bool = False
     done: bool = False  # output side: its last event went out (it leaves at the next step)
@@ -90,22 +89,50 @@ class Sequence:
         self._stopper = StopMatcher(self.stop)
         self._text: list[str] = []
 
-    def add(self, token: int, eos_ids: frozenset[int], max_length: int) -> str | None:
-        """Record a generated token; return the finish reason its id alone
-        decides (EOS: "stop"; max_new_tokens or max_length: "length"), else None."""
-        self.generated.append(token)
+    def extend(self, tokens: list[int], eos_ids: frozenset[int],
+               max_length: int) -> tuple[list[int], str | None]:
+        """Record a step's generated tokens up to the first that ends the sequence (EOS:
+        "stop"; max_new_tokens or max_length: "length"); return the tokens kept and that
+        finish reason, else None. A step may yield several tokens (speculation) and run
+        past the end: what follows the end is dropped, so the answer is the one a step
+        of one token at a time would give."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        if token in eos_ids and not self.sampling.ignore_eos:
-            return "stop"
-        if (len(self.generated) >= self.max_new_tokens
-                or len(self.prompt_ids) + len(self.generated) >= max_length):
-            return "length"
-        return None
+        done = len(self.generated)
+        room = min(self.max_new_tokens, max_length - len(self.prompt_ids)) - done
+        reason = None
+        if not self.sampling.ignore_eos and not eos_ids.isdisjoint(tokens):
+            end = next(i for i, t in enumerate(tokens) if t in eos_ids) + 1
+            if end <= room:
+                reason = "stop"
+                tokens = tokens[:end] if end < len(tokens) else tokens
+        if reason is None and len(tokens) >= room:
+            reason = "length"
+            tokens = tokens[:room] if room < len(tokens) else tokens
+        self.generated += tokens
+        return tokens, reason
 
-    def render(self, token: int, reason: str | None) -> tuple[str, str | None]:
-        """Output side: the text `token` (the next one `add` recorded) completes, cut at a
-        stop string; return it and the finish reason (`add`'s, or "stop" on a stop string)."""
+    def add(self, token: int, eos_ids: frozenset[int], max_length: int) -> str | None:
+        """`extend` by one token; return the finish reason."""
+        return self.extend([token], eos_ids, max_length)[1]
+
+    def render(self, tokens: list[int], reason: str | None) -> tuple[str, str | None]:
+        """Output side: the text `tokens` (the next ones `extend` kept, ending with the one
+        that decided `reason`) complete, cut at the first stop string; return it and the
+        finish reason (`extend`'s, or "stop" on a stop string). Tokens after a stop string
+        are not shown: `shown` counts up to the one that completed it."""
+        if len(tokens) == 1:
+            return self._render(tokens[0], reason)
+        out = []
+        last = len(tokens) - 1
+        for i, token in enumerate(tokens):
+            text, end = self._render(token, reason if i == last else None)
+            out.append(text)
+            if end is not None:
+                return "".join(out), end
+        return "".join(out), None
+
+    def _render(self, token: int, reason: str | None) -> tuple[str, str | None]:
         self.shown += 1
         delta = "" if reason == "stop" else self._detok.push(token)  # "stop" here: EOS
         if reason is not None:
@@ -121,7 +148,7 @@ class Sequence:
     def append(self, token: int, eos_ids: frozenset[int],
                max_length: int) -> tuple[str, str | None]:
         """Add a generated token; return (new text, finish reason or None)."""
-        return self.render(token, self.add(token, eos_ids, max_length))
+        return self._render(token, self.add(token, eos_ids, max_length))
 
     def cut(self) -> str:
         """End early (deadline): the text held back so far -- an incomplete character, a

@@ -34,7 +34,8 @@ def _neuron_spec(name: str, root: Path, workers: int = 1) -> ArchiveSpec:
     return ArchiveSpec(
         name, {"minWorkers": workers, "maxWorkers": workers, "deviceType": "neuron"},
         {"backend": "neuron", "batching": "continuous", "batch_size": 4, "threads": 1,
-         "neuron": {"tp_degree": 2, "cores_per_instance": 4, "amp": "f32",
+         "dtype": "float32",
+         "neuron": {"tp_degree": 2, "cores_per_instance": 4,
                     "core_lock_dir": str(root / "core-locks")}},
         fmt="no-archive")  # a folder: its neuron_cache/ persists across restarts
 

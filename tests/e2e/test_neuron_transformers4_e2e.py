@@ -74,7 +74,8 @@ def test_neuron_archive_serves_under_transformers_4(overlay: Path, tiny_checkpoi
     spec = ArchiveSpec(
         "tiny-neuron", {"deviceType": "neuron"},
         {"backend": "neuron", "batching": "continuous", "batch_size": 4, "threads": 1,
-         "neuron": {"tp_degree": 2, "cores_per_instance": 4, "amp": "f32",
+         "dtype": "float32",
+         "neuron": {"tp_degree": 2, "cores_per_instance": 4,
                     "core_lock_dir": str(tmp_path / "core-locks")}},
         fmt="no-archive", entry_source=ENTRY_FILE.read_text() + REPORT)
     store = build_store(tmp_path, tiny_checkpoint, [spec])

@@ -11,6 +11,7 @@ from handlers.backends.base import SamplingParams
 from handlers.backends.synthetic_backend import SyntheticBackend
 from handlers.config import parse_config
 from tests.e2e.harness import ArchiveSpec, attach_logs_fixture, build_store, post, running_server
+from tests.unit.fakes import one_each
 
 pytestmark = pytest.mark.e2e
 
@@ -49,7 +50,7 @@ def _expected(checkpoint, prompt: str) -> str:
     cfg = parse_config({"handler": HANDLER}).handler
     backend = SyntheticBackend(checkpoint, cfg, tokenizer=tok, sleep=lambda s: None)
     ids = backend.prefill([0], [tok(prompt)["input_ids"]], [SamplingParams()])
-    ids += [backend.decode([0])[0] for _ in range(NEW_TOKENS - 1)]
+    ids += [one_each(backend.decode([0]))[0] for _ in range(NEW_TOKENS - 1)]
     return tok.decode(ids, skip_special_tokens=True)
 
 

@@ -5,18 +5,25 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from handlers.backends.base import Backend, SamplingParams
+from handlers.backends.base import Backend, Capabilities, SamplingParams
 
 
 class CountingBackend(Backend):
     """Next token = previous + 1 (first = last prompt token + 1); EOS when it hits `eos`.
 
     Deterministic per sequence and independent of batching, so a sequence must
-    produce the same tokens whoever it shares the batch with.
+    produce the same tokens whoever it shares the batch with. With `tokens_per_step` k, a
+    decode yields the next k counts of each row at once (a speculative step that accepts
+    everything), running past any end the engine must cut at.
     """
 
     def __init__(self, batch_size: int = 4, max_length: int = 64, eos: int = 10_000,
-                 fail_prefill_on: int | None = None, fail_decode_at: int | None = None):
+                 fail_prefill_on: int | None = None, fail_decode_at: int | None = None,
+                 tokens_per_step: int = 1):
+        self.max_tokens_per_step = tokens_per_step
+        if tokens_per_step > 1:  # a backend's logprobs are of one token a step
+            self.capabilities = Capabilities.lacking(("logprobs", "prompt_logprobs"),
+                                                     "several tokens a step")
         self.batch_size = batch_size
         self.max_length = max_length
         self.max_prompt_length = max_length - 1
@@ -41,15 +48,17 @@ class CountingBackend(Backend):
             self.last[slot] = prompt[-1] + 1
         return [self.last[s] for s in slots]
 
-    def _decode(self, slots: Sequence[int]) -> list[int]:
+    def _decode(self, slots: Sequence[int]) -> list[list[int]]:
         self.calls.append(("decode", tuple(slots)))
         self.threads.add(threading.get_ident())
         self.decodes += 1
         if self.fail_decode_at is not None and self.decodes == self.fail_decode_at:
             raise RuntimeError("injected decode failure")
+        k, rows = self.max_tokens_per_step, []
         for slot in slots:
-            self.last[slot] += 1
-        return [self.last[s] for s in slots]
+            rows.append(list(range(self.last[slot] + 1, self.last[slot] + 1 + k)))
+            self.last[slot] += k
+        return rows
 
     def _release(self, slots: Sequence[int]) -> None:
         self.calls.append(("release", tuple(slots)))
@@ -64,7 +73,7 @@ class PackingBackend(CountingBackend):
 
     def _step(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
               params: Sequence[SamplingParams], running: Sequence[int]
-              ) -> tuple[list[int], list[int]]:
+              ) -> tuple[list[int], list[list[int]]]:
         self.calls.append(("step", tuple(slots), tuple(running)))
         self.threads.add(threading.get_ident())
         if self.fail_prefill_on is not None and any(self.fail_prefill_on in p for p in prompts):
@@ -73,7 +82,7 @@ class PackingBackend(CountingBackend):
         self.last.update(zip(running, following, strict=True))
         first = [p[-1] + 1 for p in prompts]
         self.last.update(zip(slots, first, strict=True))
-        return first, following
+        return first, [[t] for t in following]
 
 
 class CharTokenizer:
@@ -81,3 +90,9 @@ class CharTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if i < 0x110000)
+
+
+def one_each(rows: list[list[int]]) -> list[int]:
+    """A decode's rows of one token each, as plain tokens (fails on any other row)."""
+    assert all(len(row) == 1 for row in rows), rows
+    return [row[0] for row in rows]

@@ -30,9 +30,9 @@ def test_decode_covers_every_running_slot_once_and_release_frees():
     for wrong in ([0], [0, 1, 2], [0, 0, 2], []):
         with pytest.raises(SlotError, match=r"running \[0, 2\]"):
             b.decode(wrong)
-    assert b.decode([2, 0]) == [7, 3]
+    assert b.decode([2, 0]) == [[7], [3]]
     b.release([0, 3])  # a free slot is ignored
-    assert b.decode([2]) == [8]
+    assert b.decode([2]) == [[8]]
     assert b.prefill([0], [[1]], [P]) == [2]
 
 
@@ -44,7 +44,7 @@ def test_a_packed_step_checks_both_halves_and_only_where_the_backend_mixes():
     with pytest.raises(SlotError, match="running"):
         b.step([1], [[1]], [P], [])
     first, following = b.step([1], [[10]], [P], [0])
-    assert (first, following) == ([11], [3])
-    assert b.decode([0, 1]) == [4, 12]
+    assert (first, following) == ([11], [[3]])
+    assert b.decode([0, 1]) == [[4], [12]]
     with pytest.raises(NotImplementedError):
         CountingBackend().step([0], [[1]], [P], [])

@@ -119,3 +119,25 @@ def test_host_efficiency_against_the_device_bound_limit():
     assert host_efficiency(176.0, 1, 5.0) == pytest.approx(0.88)
     with pytest.raises(BenchError, match="step > 0 ms"):
         host_efficiency(100.0, 8, 0)
+
+
+def test_device_bench_reports_the_published_presets_bf16_beside_int8():
+    """`make bench-device`'s preset cells: each preset's batch-8 step is the published one,
+    and the summary puts bf16 Llama-2-7B and int8 Llama-3-8B side by side."""
+    from bench.device_bound import PRESET_STREAMS, PRESETS, DeviceBound, preset_step_ms
+    from bench.device_bound import summary_section
+
+    assert preset_step_ms("llama-2-7b-tp24") == pytest.approx(12.1)
+    assert preset_step_ms("llama-3-8b-int8-tp24") == pytest.approx(10.45)
+    dev = DeviceBound((), (), 3, lateness={
+        "target_ms": 5.0, "samples": 1, "device_step": dict.fromkeys(
+            ("median_us", "mean_us", "p99_us", "max_us"), 1.0),
+        "time_sleep": dict.fromkeys(("median_us", "mean_us", "p99_us", "max_us"), 1.0)})
+    for p in PRESETS:
+        for c in PRESET_STREAMS:
+            dev.preset_cells[p, c] = [(0.9, 80.0 * c, 12.5), (0.95, 85.0 * c, 12.0),
+                                      (0.8, 70.0 * c, 13.0)]
+    text = summary_section(dev)
+    assert "| llama-2-7b-tp24 (12.10 ms) | 80 tok/s, gap 12.50 ms, efficiency **0.900**" in text
+    assert "| llama-3-8b-int8-tp24 (10.45 ms) |" in text
+    assert dev.meta()["presets"]["llama-3-8b-int8-tp24 x 8"]["step_ms"] == 10.45

@@ -42,7 +42,7 @@ BASE = _key()
     {"max_length": 1024},
     {"batching": "micro"},
     {"neuron": {"tp_degree": 4}},
-    {"neuron": {"amp": "f16"}},
+    {"dtype": "float16"},
     {"neuron": {"context_length_estimate": [128, 512]}},
     {"neuron": {"gqa": "shard-over-heads"}},
     {"neuron": {"compiler_flags": ["--model-type=transformer", "-O1"]}},
@@ -91,6 +91,21 @@ def test_entry_name_is_readable_and_round_trips() -> None:
     assert BASE.entry_name.startswith("llama-l2-h64-tp2-b4-n2048-bf16-cb-")
     assert KeyInputs.from_dict(BASE.to_dict()) == BASE
     assert "eos_token_id" not in graph_config(MODEL)
+
+
+@pytest.mark.parametrize("backend", ["neuron", "nxdi"])
+@pytest.mark.parametrize("amp,dtype", [("bf16", "bfloat16"), ("f16", "float16"),
+                                       ("f32", "float32")])
+def test_dtype_keys_as_the_legacy_amp_did(backend: str, amp: str, dtype: str) -> None:
+    """handler.dtype replaced handler.neuron.amp: the key still records the Neuron spelling,
+    byte for byte, so caches compiled under either key stay valid."""
+    new = _key({"backend": backend, "dtype": dtype})
+    with pytest.warns(DeprecationWarning):
+        old = _key({"backend": backend, "neuron": {"amp": amp}})
+    assert new.to_dict() == old.to_dict() and new.digest == old.digest
+    assert new.amp == amp and f"-{amp}-cb-" in new.entry_name
+    if dtype == "bfloat16":  # the default of both Neuron backends
+        assert _key({"backend": backend}).digest == new.digest
 
 
 def test_empty_buckets_mean_one_bucket_of_max_length() -> None:

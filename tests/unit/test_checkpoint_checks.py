@@ -124,7 +124,7 @@ def test_config_json_that_does_not_load(tiny_checkpoint: Path, tmp_path: Path) -
 
 @pytest.mark.parametrize("setting, expected", [
     ("llama2", "did you mean 'llama-2'?"),
-    ("chat.jinja", "not a preset (llama-2), inline Jinja, or a file"),
+    ("chat.jinja", "not a preset (llama-2, llama-3), inline Jinja, or a file"),
     ("{% for m in messages %}{{ m['content'] }", "does not render"),
 ])
 def test_chat_template_is_checked_when_packaging(tiny_checkpoint: Path, tmp_path: Path,

@@ -97,7 +97,7 @@ def test_nxdi_archive_compiles_once_then_cache_and_inspect_see_it(
     cfg = tmp_path / "nxdi.yaml"
     cfg.write_text(CONFIG.read_text().replace("backend: torch", "backend: nxdi")
                    .replace("deviceType: cpu", "deviceType: neuron")
-                   + f"  neuron:\n    cores_per_instance: 2\n    amp: f32\n"
+                   + f"  dtype: float32\n  neuron:\n    cores_per_instance: 2\n"
                      f"    core_lock_dir: {tmp_path / 'locks'}\n")
     archive = package(cfg, tiny_checkpoint, "tiny-nxdi", "no-archive", tmp_path / "store")
     try:

@@ -66,6 +66,7 @@ def test_neuron_archive_shows_its_neuron_settings(tiny_checkpoint: Path, tmp_pat
     assert main(["inspect", str(archive)]) == 0
     out = capsys.readouterr().out
     assert "tp_degree=" in out and "Neuron compile cache: none" in out
+    assert "amp=bf16" in out  # handler.dtype auto, resolved for the neuron backend
 
 
 def test_json_summary(store: dict[str, Path], capsys) -> None:

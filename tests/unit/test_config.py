@@ -181,3 +181,64 @@ def test_nested_typed_blocks_are_checked_element_by_element() -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             _build(Block, data, "x")
+
+
+@pytest.mark.parametrize("backend,torch_dtype,amp", [
+    ("torch", "float32", "f32"), ("synthetic", "float32", "f32"),
+    ("neuron", "bfloat16", "bf16"), ("nxdi", "bfloat16", "bf16"),
+])
+def test_dtype_auto_is_each_backends_own_default(backend, torch_dtype, amp):
+    extra = {"synthetic": {"decode_step_ms": 10}} if backend == "synthetic" else {}
+    h = parse_config({"handler": {"backend": backend, **extra}}).handler
+    assert h.dtype == "auto"
+    assert (h.torch_dtype, h.amp) == (torch_dtype, amp)
+    h = parse_config({"handler": {"backend": backend, "dtype": "float16", **extra}}).handler
+    assert (h.torch_dtype, h.amp) == ("float16", "f16")
+
+
+@pytest.mark.parametrize("amp,dtype", [("bf16", "bfloat16"), ("f16", "float16"),
+                                       ("f32", "float32")])
+def test_legacy_neuron_amp_sets_dtype_with_a_deprecation_warning(amp, dtype):
+    legacy = {"backend": "neuron", "neuron": {"tp_degree": 4, "amp": amp}}
+    with pytest.warns(DeprecationWarning, match="handler.neuron.amp is deprecated; use "
+                                                f"handler.dtype: {dtype}"):
+        old = parse_config({"handler": legacy})
+    assert (old.handler.dtype, old.handler.torch_dtype, old.handler.amp) == (dtype, dtype, amp)
+    new = parse_config({"handler": {"backend": "neuron", "dtype": dtype,
+                                    "neuron": {"tp_degree": 4}}})
+    assert old == new and legacy["neuron"]["amp"] == amp  # the caller's mapping is untouched
+    with pytest.warns(DeprecationWarning):  # the same precision twice is redundant, not wrong
+        both = parse_config({"handler": {**legacy, "dtype": dtype}})
+    assert both == new
+
+
+def test_legacy_neuron_amp_conflicting_with_dtype_is_refused():
+    with pytest.raises(ConfigError, match=r"handler.neuron.amp: 'f16' conflicts with "
+                                          r"handler.dtype 'bfloat16'; precision is one key now, "
+                                          r"handler.dtype"):
+        parse_config({"handler": {"backend": "neuron", "dtype": "bfloat16",
+                                  "neuron": {"amp": "f16"}}})
+
+
+@pytest.mark.parametrize("amp", ["fp16", "bfloat16", 16, None])
+def test_legacy_neuron_amp_bad_value_names_the_key_and_choices(amp):
+    with pytest.raises(ConfigError, match=r"handler.neuron.amp: .* is not allowed; choose one of "
+                                          r"'bf16', 'f16', 'f32'"):
+        parse_config({"handler": {"backend": "neuron", "neuron": {"amp": amp}}})
+
+
+def test_dtype_is_checked_even_beside_a_legacy_amp():
+    with pytest.raises(ConfigError, match=r"handler.dtype: 'float64' is not allowed; choose one "
+                                          r"of 'auto', 'float32', 'bfloat16', 'float16'"), \
+            pytest.warns(DeprecationWarning):
+        parse_config({"handler": {"dtype": "float64", "neuron": {"amp": "bf16"}}})
+
+
+def test_legacy_neuron_amp_never_changes_a_torch_backend():
+    """It never applied to torch: an old torch config that carried it runs as it did."""
+    with pytest.warns(DeprecationWarning):
+        h = parse_config({"handler": {"neuron": {"amp": "bf16"}}}).handler
+    assert (h.dtype, h.torch_dtype) == ("auto", "float32")
+    with pytest.warns(DeprecationWarning):
+        h = parse_config({"handler": {"dtype": "float32", "neuron": {"amp": "f16"}}}).handler
+    assert h.torch_dtype == "float32"

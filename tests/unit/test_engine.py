@@ -1,6 +1,6 @@
 import pytest
 
-from handlers.backends.base import SamplingParams
+from handlers.backends.base import Capabilities, SamplingParams
 from handlers.engine.core import Engine
 from handlers.engine.scheduler import ErrorEvent, FinishEvent, Scheduler, Sequence, TextEvent
 from tests.unit.fakes import CharTokenizer, CountingBackend, PackingBackend
@@ -595,9 +595,9 @@ def test_decodes_that_finish_nobody_are_recorded_on_the_output_side_with_the_sam
         scenario(serial, ev_serial, logprobs)
         run(serial)
         recorded_by = []
-        add = Sequence.add
-        monkeypatch.setattr(Sequence, "add", lambda self, *a: recorded_by.append(
-            (self.request_id, threading.current_thread().name)) or add(self, *a))
+        extend = Sequence.extend
+        monkeypatch.setattr(Sequence, "extend", lambda self, *a: recorded_by.append(
+            (self.request_id, threading.current_thread().name)) or extend(self, *a))
         engine, ev = Engine(Slow(max_length=40), Scheduler(4)), {}
         engine.start()
         try:
@@ -621,3 +621,90 @@ def test_decodes_that_finish_nobody_are_recorded_on_the_output_side_with_the_sam
     ev, recorded_by = serve(logprobs=1)
     assert len(ev["len"][-1].logprobs) == 30
     assert {thread for r, thread in recorded_by if r == "len"} == {"inf2serve-engine"}
+
+
+def _answers(engine, requests):
+    """Serve `requests` (rid, prompt start, max_new_tokens, stop strings) to the end."""
+    ev = {}
+    for rid, start, n, stop in requests:
+        engine.submit(Sequence(request_id=rid, prompt_ids=[64, start], max_new_tokens=n,
+                               sampling=SamplingParams(), stop=stop, tokenizer=CharTokenizer(),
+                               sink=ev.setdefault(rid, []).append))
+    run(engine, 500)
+    return {rid: (text(e), e[-1]) for rid, e in ev.items()}
+
+
+MIXED_ENDS = [("len", ord("A"), 7, ()), ("eos", 9990, 40, ()), ("max_length", 40, 500, ()),
+              ("stop", ord("a"), 40, ("fg",)), ("stop-at-end", ord("a"), 9, ("ij",))]
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_several_tokens_a_step_end_every_request_where_one_a_step_would(k):
+    """A backend that yields k tokens per row per step (speculation accepting everything)
+    runs past every end -- EOS, max_new_tokens, max_length, a stop string inside a step's
+    tokens or at the last of them: the answers are those of one token a step."""
+    one = _answers(make(max_length=48)[0], MIXED_ENDS)
+    engine, backend, _ = make(max_length=48, eos=10_000, tokens_per_step=k)
+    several = _answers(engine, MIXED_ENDS)
+    assert several == one
+    assert [one[r][1].reason for r in ("len", "eos", "max_length", "stop", "stop-at-end")] == [
+        "length", "stop", "length", "stop", "stop"]
+    assert one["len"][1].completion_tokens == 7 and one["max_length"][1].completion_tokens == 46
+    assert one["eos"][1].token_ids[-1] == 10_000 and one["stop"][0].endswith("de")
+    assert backend.decodes < 46 // k + 3  # several tokens really arrived per step
+    assert backend.last == {}  # every slot released
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_loop_with_several_tokens_a_step_answers_as_the_serial_step_does(k):
+    """The threaded loop -- a steady batch's decodes recorded on the output side while they
+    can end nobody, (left - 1) // k of them -- answers as the serial step does."""
+    import time
+
+    class Slow(CountingBackend):
+        def decode(self, slots):
+            time.sleep(0.001)
+            return super().decode(slots)
+
+    serial = _answers(Engine(b := Slow(max_length=48, tokens_per_step=k), Scheduler(4)),
+                      MIXED_ENDS[:4])
+    engine = Engine(Slow(max_length=48, tokens_per_step=k), Scheduler(4))
+    ev = {}
+    engine.start()
+    try:
+        for rid, start, n, stop in MIXED_ENDS[:4]:
+            engine.submit(Sequence(request_id=rid, prompt_ids=[64, start], max_new_tokens=n,
+                                   sampling=SamplingParams(), stop=stop,
+                                   tokenizer=CharTokenizer(), sink=ev.setdefault(rid, []).append))
+        for _ in range(500):
+            if len(ev) == 4 and all(e and not isinstance(e[-1], TextEvent) for e in ev.values()):
+                break
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert {rid: (text(e), e[-1]) for rid, e in ev.items()} == serial
+    assert b.last == {}
+
+
+def test_a_backend_of_several_tokens_a_step_must_refuse_logprobs():
+    backend = CountingBackend(tokens_per_step=2)
+    backend.capabilities = Capabilities()
+    with pytest.raises(ValueError, match="must refuse logprobs"):
+        Engine(backend, Scheduler(4))
+
+
+def test_a_decode_with_an_empty_row_fails_that_batch_only():
+    class Empty(CountingBackend):
+        def _decode(self, slots):
+            rows = super()._decode(slots)
+            return [[] if i == 0 else r for i, r in enumerate(rows)] if self.decodes == 2 else rows
+
+    engine, backend, _ = make(backend_class=Empty)
+    ev = {}
+    submit(engine, "a", ord("A"), 8, ev)
+    run(engine)
+    assert isinstance(ev["a"][-1], ErrorEvent) and ev["a"][-1].status == 500
+    assert backend.last == {}
+    submit(engine, "b", ord("a"), 3, ev)
+    run(engine)
+    assert text(ev["b"]) == "bcd"

@@ -17,6 +17,7 @@ import pytest
 from handlers.backends.base import SamplingParams
 from handlers.config import parse_config
 from handlers.errors import ConfigError, GenerationError, NeuronUnavailableError, RequestError
+from tests.unit.fakes import one_each
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 RT_VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_CC_FLAGS",
@@ -45,11 +46,12 @@ def fake_sdk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
 
 
 def _config(tmp_path: Path, batching: str = "continuous", batch_size: int = 2, **neuron):
-    settings = {"tp_degree": 2, "cores_per_instance": 4, "amp": "f32",
+    settings = {"tp_degree": 2, "cores_per_instance": 4,
                 "cache_dir": str(tmp_path / "cache"), "core_lock_dir": str(tmp_path / "locks"),
                 **neuron}
     return parse_config({"handler": {"backend": "neuron", "batching": batching,
                                      "batch_size": batch_size, "max_length": 128,
+                                     "dtype": "float32",
                                      "max_new_tokens_limit": 64,
                                      "defaults": {"max_new_tokens": 16},
                                      "neuron": settings}}).handler
@@ -87,7 +89,7 @@ def _reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
 
 def _greedy(backend, slot: int, prompt: list[int], n: int) -> list[int]:
     out = backend.prefill([slot], [prompt], [SamplingParams()])
-    out += [backend.decode([slot])[0] for _ in range(n - 1)]
+    out += [one_each(backend.decode([slot]))[0] for _ in range(n - 1)]
     backend.release([slot])
     return out
 
@@ -99,10 +101,10 @@ def test_continuous_matches_the_checkpoint_and_admits_mid_decode(checkpoint, tmp
     b = _backend(checkpoint, tmp_path)
     assert b.start.compiled and b.eos_token_ids == frozenset({2})
     a = b.prefill([0], [PROMPTS[0]], [SamplingParams()])
-    a += b.decode([0])
+    a += one_each(b.decode([0]))
     c = b.prefill([1], [PROMPTS[1]], [SamplingParams()])  # joins while slot 0 runs
     for _ in range(5):
-        x, y = b.decode([0, 1])
+        x, y = one_each(b.decode([0, 1]))
         a.append(x)
         c.append(y)
     assert a == _reference(checkpoint, PROMPTS[0], 7)
@@ -142,15 +144,15 @@ def test_one_token_joiners_leave_a_running_request_alone(checkpoint, tmp_path, f
     b = _backend(checkpoint, tmp_path, batch_size=3)
     alone = _greedy(b, 0, PROMPTS[0], 7)
     running = b.prefill([0], [PROMPTS[0]], [SamplingParams()])
-    running += b.decode([0])
+    running += one_each(b.decode([0]))
     joiner = b.prefill([1], [[67]], [SamplingParams()])  # "a": one token in the demo tokenizer
     for _ in range(3):
-        x, y = b.decode([0, 1])
+        x, y = one_each(b.decode([0, 1]))
         running.append(x)
         joiner.append(y)
     second = b.prefill([2], [[43]], [SamplingParams()])
     for _ in range(2):
-        x, y, z = b.decode([0, 1, 2])
+        x, y, z = one_each(b.decode([0, 1, 2]))
         running.append(x)
         joiner.append(y)
         second.append(z)
@@ -166,12 +168,12 @@ def test_every_model_call_runs_under_inference_mode(checkpoint, tmp_path, fake_s
     eos_held = SamplingParams(min_new_tokens=3)  # the sampler edits the logits in place
     _greedy(b, 0, PROMPTS[0], 3)
     b.prefill([1], [[67]], [eos_held])
-    b.decode([1])
+    one_each(b.decode([1]))
     assert b.model.inference_modes and all(b.model.inference_modes)
     b.close()
     m = _backend(checkpoint, tmp_path / "micro", "micro")
     m.prefill([0, 1], PROMPTS, [SamplingParams()] * 2)
-    m.decode([0, 1])
+    one_each(m.decode([0, 1]))
     m.release([0, 1])
     assert m.model.inference_modes and all(m.model.inference_modes)
     m.close()
@@ -217,11 +219,11 @@ def test_micro_streams_through_sample(checkpoint, tmp_path, fake_sdk) -> None:
     first = b.prefill([0, 1], PROMPTS, [SamplingParams(), SamplingParams()])
     rows = [[first[0]], [first[1]]]
     for _ in range(4):
-        x, y = b.decode([0, 1])
+        x, y = one_each(b.decode([0, 1]))
         rows[0].append(x)
         rows[1].append(y)
     b.release([0])
-    rows[1].append(b.decode([1])[0])
+    rows[1].append(one_each(b.decode([1]))[0])
     b.release([1])  # the last slot: stops the sample() thread
     assert rows[0] == _reference(checkpoint, PROMPTS[0], 5)
     assert rows[1] == _reference(checkpoint, PROMPTS[1], 6)
@@ -259,7 +261,7 @@ def test_seeded_sampling_is_reproducible_per_request(checkpoint, tmp_path, fake_
 
     def run(slot: int) -> list[int]:
         out = b.prefill([slot], [PROMPTS[0]], [p])
-        out += [b.decode([slot])[0] for _ in range(6)]
+        out += [one_each(b.decode([slot]))[0] for _ in range(6)]
         b.release([slot])
         return out
 
@@ -306,7 +308,7 @@ def test_continuous_logprobs_and_penalties_equal_the_torch_backends(checkpoint, 
         tokens = b.prefill([0], [PROMPTS[1]], [p])
         logprobs = [b.token_logprobs(0)]
         for _ in range(5):
-            tokens += b.decode([0])
+            tokens += one_each(b.decode([0]))
             logprobs.append(b.token_logprobs(0))
         b.release([0])
         runs.append((tokens, logprobs))
@@ -339,7 +341,7 @@ def test_micro_seeded_request_reproduces_and_greedy_rows_stay_greedy(checkpoint,
     def run(slots: list[int], params: list[SamplingParams], n: int = 5) -> list[list[int]]:
         rows = [[t] for t in b.prefill(slots, PROMPTS[:len(slots)], params)]
         for _ in range(n):
-            for row, t in zip(rows, b.decode(slots), strict=True):
+            for row, t in zip(rows, one_each(b.decode(slots)), strict=True):
                 row.append(t)
         b.release(slots)
         return rows

@@ -9,6 +9,7 @@ import pytest
 
 from handlers.backends.base import SamplingParams
 from handlers.config import parse_config
+from tests.unit.fakes import one_each
 
 HAS_NEURON = (Path("/dev/neuron0").exists()
               and importlib.util.find_spec("transformers_neuronx") is not None
@@ -26,8 +27,8 @@ def test_compile_cache_reload_and_generate(tiny_checkpoint: Path, tmp_path: Path
 
     cfg = parse_config({"handler": {
         "backend": "neuron", "batch_size": 2, "max_length": 128, "max_new_tokens_limit": 64,
-        "defaults": {"max_new_tokens": 16},
-        "neuron": {"tp_degree": 2, "amp": "f32", "cache_dir": str(tmp_path / "cache"),
+        "defaults": {"max_new_tokens": 16}, "dtype": "float32",
+        "neuron": {"tp_degree": 2, "cache_dir": str(tmp_path / "cache"),
                    "core_lock_dir": str(tmp_path / "locks")}}}).handler
     prompt = [1, 50, 60, 70, 80]
     first = NeuronBackend(tiny_checkpoint, cfg, tmp_path)
@@ -36,7 +37,7 @@ def test_compile_cache_reload_and_generate(tiny_checkpoint: Path, tmp_path: Path
     backend = NeuronBackend(tiny_checkpoint, cfg, tmp_path)
     assert not backend.start.compiled
     tokens = backend.prefill([0], [prompt], [SamplingParams()])
-    tokens += [backend.decode([0])[0] for _ in range(7)]
+    tokens += [one_each(backend.decode([0]))[0] for _ in range(7)]
     backend.close()
 
     # the SDK's transformers 4.x has no torch backend: greedy by plain transformers, no EOS stop

@@ -23,6 +23,7 @@ from handlers.errors import (
     NeuronUnavailableError,
     RequestError,
 )
+from tests.unit.fakes import one_each
 
 NXDI = Path(__file__).resolve().parents[1] / "fakes" / "nxdi"
 RT_VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_CC_FLAGS",
@@ -46,11 +47,12 @@ def fake_nxdi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]
 
 
 def _config(tmp_path: Path, batch_size: int = 2, nxdi: dict | None = None, **neuron):
-    settings = {"tp_degree": 2, "cores_per_instance": 4, "amp": "f32",
+    settings = {"tp_degree": 2, "cores_per_instance": 4,
                 "cache_dir": str(tmp_path / "cache"), "core_lock_dir": str(tmp_path / "locks"),
                 **neuron}
     return parse_config({"handler": {"backend": "nxdi", "batch_size": batch_size,
                                      "max_length": 128, "max_new_tokens_limit": 64,
+                                     "dtype": "float32",
                                      "defaults": {"max_new_tokens": 16},
                                      "neuron": settings, "nxdi": nxdi or {}}}).handler
 
@@ -86,7 +88,7 @@ def _reference(checkpoint: Path, prompt: list[int], n: int) -> list[int]:
 
 def _greedy(backend, slot: int, prompt: list[int], n: int) -> list[int]:
     out = backend.prefill([slot], [prompt], [SamplingParams()])
-    out += [backend.decode([slot])[0] for _ in range(n - 1)]
+    out += [one_each(backend.decode([slot]))[0] for _ in range(n - 1)]
     backend.release([slot])
     return out
 
@@ -96,17 +98,17 @@ def test_joins_and_leaves_keep_every_sequence_on_the_checkpoints_tokens(
     b = _backend(tiny_checkpoint, tmp_path, batch_size=3)
     assert b.start.compiled and b.eos_token_ids == frozenset({2})
     a = b.prefill([2], [PROMPTS[0]], [SamplingParams()])
-    a += b.decode([2])
+    a += one_each(b.decode([2]))
     c = b.prefill([0], [PROMPTS[1]], [SamplingParams()])  # joins while slot 2 runs
     d = b.prefill([1], [[5]], [SamplingParams()])  # a 1-token prompt joins too
     for _ in range(3):
-        x, y, z = b.decode([2, 0, 1])  # not sorted: the backend sorts for the device
+        x, y, z = one_each(b.decode([2, 0, 1]))  # not sorted: the backend sorts for the device
         a.append(x)
         c.append(y)
         d.append(z)
     b.release([0])  # c leaves mid-generation
     for _ in range(3):
-        x, z = b.decode([1, 2])[::-1]
+        x, z = one_each(b.decode([1, 2]))[::-1]
         a.append(x)
         d.append(z)
     assert a == _reference(tiny_checkpoint, PROMPTS[0], 8)
@@ -204,7 +206,7 @@ def test_requests_it_cannot_honour_are_400s_naming_the_field(tmp_path, body, fie
 
     def check(cfg) -> None:
         check_sampling(parse_request({"prompt": "hi", **body}, cfg).sampling,
-                       nxdi_capabilities(cfg.nxdi.on_device_sampling, cfg.nxdi.global_topk))
+                       nxdi_capabilities(cfg.neuron.on_device_sampling, cfg.neuron.global_top_k))
 
     with pytest.raises(RequestError) as err:
         check(_config(tmp_path, nxdi={"on_device_sampling": True}))
@@ -222,7 +224,7 @@ def test_decode_must_cover_every_running_slot(tiny_checkpoint, tmp_path, fake_nx
     b = _backend(tiny_checkpoint, tmp_path)
     b.prefill([0, 1], PROMPTS, [SamplingParams()] * 2)
     with pytest.raises(SlotError, match="every running slot"):
-        b.decode([0])
+        one_each(b.decode([0]))
     with pytest.raises(SlotError, match="busy slot"):
         b.prefill([1], [PROMPTS[0]], [SamplingParams()])
     b.release([1])

@@ -10,6 +10,7 @@ import pytest
 
 from handlers.backends.base import SamplingParams
 from handlers.config import parse_config
+from tests.unit.fakes import one_each
 
 SPEC = importlib.util.find_spec("neuronx_distributed_inference")
 HAS_NXDI = (Path("/dev/neuron0").exists() and SPEC is not None
@@ -36,8 +37,8 @@ def test_compile_cache_reload_and_generate(tiny_checkpoint: Path, tmp_path: Path
 
     cfg = parse_config({"handler": {
         "backend": "nxdi", "batch_size": 2, "max_length": 128, "max_new_tokens_limit": 64,
-        "defaults": {"max_new_tokens": 16},
-        "neuron": {"tp_degree": 2, "amp": "f32", "context_length_estimate": [16, 64],
+        "defaults": {"max_new_tokens": 16}, "dtype": "float32",
+        "neuron": {"tp_degree": 2, "context_length_estimate": [16, 64],
                    "cache_dir": str(tmp_path / "cache"),
                    "core_lock_dir": str(tmp_path / "locks")}}}).handler
     first = NxdiBackend(tiny_checkpoint, cfg, tmp_path)
@@ -47,10 +48,10 @@ def test_compile_cache_reload_and_generate(tiny_checkpoint: Path, tmp_path: Path
     assert not backend.start.compiled
     long, short = [1, 50, 60, 70, 80], [5]
     a = backend.prefill([1], [long], [SamplingParams()])
-    a += backend.decode([1])
+    a += one_each(backend.decode([1]))
     b = backend.prefill([0], [short], [SamplingParams()])
     for _ in range(6):
-        x, y = backend.decode([1, 0])
+        x, y = one_each(backend.decode([1, 0]))
         a.append(x)
         b.append(y)
     backend.close()

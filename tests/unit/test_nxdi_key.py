@@ -28,7 +28,7 @@ BASE = _key()
     {"batch_size": 8},
     {"max_length": 1024},
     {"neuron": {"tp_degree": 8}},
-    {"neuron": {"amp": "f16"}},
+    {"dtype": "float16"},
     {"neuron": {"context_length_estimate": [128, 512]}},
     {"neuron": {"compiler_flags": ["--model-type=transformer", "-O1"]}},
     {"nxdi": {"token_generation_buckets": [512, 2048]}},

@@ -175,6 +175,15 @@ def test_llama2_preset_renders_the_llama2_format(tokenizer) -> None:
         "<s>[INST] hi [/INST] ok </s><s>[INST] there [/INST]"
 
 
+def test_llama3_preset_renders_the_llama3_instruct_format(tokenizer) -> None:
+    """The Llama-3 / 3.1 Instruct layout: BOS once, header blocks ended by <|eot_id|>, an
+    open assistant header last (the generation prompt)."""
+    assert render_chat(tokenizer, CHAT, "llama-3") == (
+        "<s><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nhi there<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
 def test_configured_template_overrides_the_tokenizers(tokenizer) -> None:
     tok = make_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"

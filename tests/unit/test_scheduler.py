@@ -192,3 +192,39 @@ def test_a_group_waits_for_its_delay_unless_full():
         s.submit(_sampled(f"g{i}"))
     assert [x.request_id for x in s.admit(now)] == ["a", "g0", "g1", "g2"]
     assert list(s.waiting) == [b]
+
+
+def _text_seq(n: int = 20, stop: tuple[str, ...] = (), **params) -> Sequence:
+    return Sequence(request_id="a", prompt_ids=[65, 66], max_new_tokens=n,
+                    sampling=SamplingParams(**params), stop=stop, sink=lambda e: None,
+                    tokenizer=CharTokenizer())
+
+
+@pytest.mark.parametrize(("n", "max_length", "row", "kept", "reason"), [
+    (20, 100, [67, 68, 69], [67, 68, 69], None),
+    (20, 100, [67, 0, 69], [67, 0], "stop"),  # EOS inside the row: cut after it
+    (2, 100, [67, 68, 69], [67, 68], "length"),  # max_new_tokens
+    (20, 4, [67, 68, 69], [67, 68], "length"),  # max_length: prompt 2 + 2
+    (2, 100, [67, 0, 69], [67, 0], "stop"),  # EOS on the last allowed token: stop wins
+    (2, 100, [67, 68, 0], [67, 68], "length"),  # EOS past the limit never counts
+])
+def test_extend_keeps_a_steps_tokens_up_to_the_first_end(n, max_length, row, kept, reason):
+    x = _text_seq(n)
+    assert x.extend(row, frozenset([0]), max_length) == (kept, reason)
+    assert x.generated == kept
+
+
+def test_extend_with_ignore_eos_runs_past_eos_to_the_length():
+    x = _text_seq(4, ignore_eos=True)
+    assert x.extend([0, 0, 67], frozenset([0]), 100) == ([0, 0, 67], None)
+    assert x.extend([0, 68, 69], frozenset([0]), 100) == ([0], "length")
+
+
+def test_render_of_several_tokens_stops_at_the_token_that_completes_a_stop_string():
+    x = _text_seq(stop=("cd",))
+    kept, reason = x.extend([ord(c) for c in "abcdef"], frozenset(), 100)
+    assert x.render(kept, reason) == ("ab", "stop")
+    assert x.shown == 4  # a, b, c, d: the tokens after the stop string are not counted
+    assert x.finish_event("stop").token_ids == tuple(map(ord, "abcd"))
+    y = _text_seq(n=3)  # a length end inside a step's tokens flushes the text held back
+    assert y.render(*y.extend([ord(c) for c in "xyzw"], frozenset(), 100)) == ("xyz", "length")

@@ -17,6 +17,7 @@ from handlers.backends.synthetic_backend import StepTimer, SyntheticBackend
 from handlers.backends.synthetic_timing import PRESETS, resolve_timing
 from handlers.config import parse_config
 from handlers.errors import ConfigError, RequestError
+from tests.unit.fakes import one_each
 
 GREEDY = SamplingParams()
 
@@ -62,7 +63,7 @@ def _run(backend: SyntheticBackend, slot: int, prompt: list[int], n: int,
          params: SamplingParams = GREEDY) -> list[int]:
     out = backend.prefill([slot], [prompt], [params])
     for _ in range(n - 1):
-        out += backend.decode([slot])
+        out += one_each(backend.decode([slot]))
     backend.release([slot])
     return out
 
@@ -73,7 +74,7 @@ def test_prefill_into_busy_slot_raises(tiny_checkpoint, tokenizer):
     b.prefill([1], [[5, 6]], [GREEDY])
     with pytest.raises(SlotError, match="busy slots \\[1\\]"):
         b.prefill([0, 1], [[5], [6]], [GREEDY, GREEDY])
-    assert b.decode([1])  # the failed prefill left the running batch as it was
+    assert one_each(b.decode([1]))  # the failed prefill left the running batch as it was
 
 
 def test_decode_must_name_exactly_the_running_slots(tiny_checkpoint, tokenizer):
@@ -81,9 +82,9 @@ def test_decode_must_name_exactly_the_running_slots(tiny_checkpoint, tokenizer):
     b.prefill([0, 2], [[5], [6]], [GREEDY, GREEDY])
     for wrong in ([0], [0, 1, 2], [0, 0, 2]):
         with pytest.raises(SlotError, match="running \\[0, 2\\]"):
-            b.decode(wrong)
+            one_each(b.decode(wrong))
     b.release([0])
-    assert len(b.decode([2])) == 1
+    assert len(one_each(b.decode([2]))) == 1
 
 
 def test_slots_and_prompt_lengths_are_checked(tiny_checkpoint, tokenizer):
@@ -106,7 +107,7 @@ def test_load_backend_builds_it_from_the_config(tiny_checkpoint):
 def test_batch_of_64_slots(tiny_checkpoint, tokenizer):
     b = _backend(tiny_checkpoint, tokenizer, batch_size=64)
     b.prefill(list(range(64)), [[i + 1] for i in range(64)], [GREEDY] * 64)
-    assert len(b.decode(list(range(64)))) == 64
+    assert len(one_each(b.decode(list(range(64))))) == 64
 
 
 # -- tokens ------------------------------------------------------------------------------
@@ -123,10 +124,10 @@ def test_greedy_is_a_function_of_prompt_and_position(tiny_checkpoint, tokenizer)
     alone = _run(_backend(tiny_checkpoint, tokenizer), 0, [5, 6, 7], 12)
     b = _backend(tiny_checkpoint, tokenizer)
     b.prefill([3], [[9, 9]], [GREEDY])  # another row running, in another slot
-    b.decode([3])
+    one_each(b.decode([3]))
     got = b.prefill([1], [[5, 6, 7]], [GREEDY])
     for _ in range(11):
-        got += b.decode([3, 1])[1:]
+        got += one_each(b.decode([3, 1]))[1:]
     assert got == alone
     assert _run(_backend(tiny_checkpoint, tokenizer), 0, [5, 6, 8], 12) != alone
 
@@ -147,7 +148,7 @@ def test_decode_sleeps_the_step_of_the_compiled_batch(tiny_checkpoint, tokenizer
                  synthetic={"decode_step_ms": 5, "decode_ms_per_row": 0.5})
     b.prefill([0], [[5]], [GREEDY])
     clock.slept.clear()
-    b.decode([0])  # one live row in a compiled batch of 4: the whole batch's step
+    one_each(b.decode([0]))  # one live row in a compiled batch of 4: the whole batch's step
     assert clock.slept == [pytest.approx(0.0065)]
 
 
@@ -157,10 +158,10 @@ def test_sleep_ends_at_a_deadline_from_the_call_start(tiny_checkpoint, tokenizer
     b.prefill([0], [[5]], [GREEDY])
     clock.slept.clear()
     clock.work_s = 0.002  # host work inside the call is hidden behind the device time
-    b.decode([0])
+    one_each(b.decode([0]))
     assert clock.slept == [pytest.approx(0.008)]
     clock.work_s = 0.02  # work longer than the step: no sleep at all
-    b.decode([0])
+    one_each(b.decode([0]))
     assert clock.slept == [pytest.approx(0.008)]
 
 
@@ -352,7 +353,7 @@ def test_host_sampling_of_unseeded_rows_in_a_full_batch(tiny_checkpoint, tokeniz
               SamplingParams(temperature=100.0, top_k=3)] * 2
     out = b.prefill(list(range(8)), [[i + 1] for i in range(8)], params)
     for _ in range(5):
-        out += b.decode(list(range(8)))
+        out += one_each(b.decode(list(range(8))))
     assert set(out) <= set(b.words)
 
 
@@ -379,7 +380,7 @@ def test_host_sampling_runs_after_the_device_step(tiny_checkpoint, tokenizer, mo
     monkeypatch.setattr(synthetic_backend.HostSampling, "pick", timed_pick)
     start = clock.now
     b.prefill([0], [[5]], [GREEDY])
-    b.decode([0])
+    one_each(b.decode([0]))
     assert events == ["device", "host", "device", "host"]
     assert clock.now - start == pytest.approx(0.010 + 0.003 + 0.010 + 0.003)
 

@@ -5,6 +5,7 @@ import torch
 
 from handlers.backends.base import SamplingParams, SlotError
 from handlers.config import parse_config
+from tests.unit.fakes import one_each
 
 PROMPTS = ["Hello there, how are you", "The sea", "Once upon a time there was a robot", "日本語"]
 
@@ -45,7 +46,7 @@ def test_staggered_rows_match_generate(setup):
         if not running and step > 5:
             break
         backend.release([s for s in range(4) if len(got[s]) >= 12])
-        for slot, token in zip(running, backend.decode(running), strict=True):
+        for slot, token in zip(running, one_each(backend.decode(running)), strict=True):
             got[slot].append(token)
     backend.release([0, 1, 2, 3])
     assert [got[i][:12] for i in range(4)] == want
@@ -68,12 +69,12 @@ def test_packed_steps_match_generate(setup):
             new = joins[step]
             first, following = backend.step(new, [ids[s] for s in new], [sp] * len(new),
                                              running)
-            for slot, token in zip(new + running, first + following, strict=True):
+            for slot, token in zip(new + running, first + one_each(following), strict=True):
                 got[slot].append(token)
             continue
         if not running:
             break
-        for slot, token in zip(running, backend.decode(running), strict=True):
+        for slot, token in zip(running, one_each(backend.decode(running)), strict=True):
             got[slot].append(token)
     backend.release([0, 1, 2, 3])
     assert [got[i][:12] for i in range(4)] == want
@@ -86,7 +87,8 @@ def test_failed_packed_step_leaves_the_batch_as_it_was(setup, monkeypatch):
     ids = [tok(p)["input_ids"] for p in PROMPTS[:2]]
     want = reference(model, ids[0], 8, do_sample=False)
     sp = SamplingParams(min_new_tokens=8)
-    got = backend.prefill([0], [ids[0]], [sp]) + backend.decode([0]) + backend.decode([0])
+    got = backend.prefill([0], [ids[0]], [sp])
+    got += one_each(backend.decode([0])) + one_each(backend.decode([0]))
     real = torch_backend._PackedStep.attend
     last_layer = model.config.num_hidden_layers - 1
     assert last_layer > 0
@@ -103,7 +105,7 @@ def test_failed_packed_step_leaves_the_batch_as_it_was(setup, monkeypatch):
     with pytest.raises(SlotError, match="running"):
         backend.step([1], [ids[1]], [sp], [2])
     for _ in range(5):
-        got += backend.decode([0])
+        got += one_each(backend.decode([0]))
     backend.release([0])
     assert got == want
 
@@ -121,7 +123,7 @@ def test_a_model_whose_attention_skips_the_packed_path_stops_packing(setup):
             backend.step([1], [[1, 2, 3]], [SamplingParams()], [0])
         assert not backend.mixes_prefill
         for _ in range(3):
-            got += backend.decode([0])
+            got += one_each(backend.decode([0]))
         assert got == want
     finally:
         backend.release([0, 1])
@@ -137,7 +139,7 @@ def test_seeded_sampling_is_reproducible_and_min_new_tokens_blocks_eos(setup):
         p = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=7, min_new_tokens=20)
         out = backend.prefill([0], [ids], [p])
         for _ in range(19):
-            out += backend.decode([0])
+            out += one_each(backend.decode([0]))
         backend.release([0])
         runs.append(out)
     assert runs[0] == runs[1]
@@ -150,7 +152,7 @@ def test_misuse_is_rejected(setup):
     with pytest.raises(SlotError, match="busy"):
         backend.prefill([0], [[1, 2]], [SamplingParams()])
     with pytest.raises(SlotError, match="running"):
-        backend.decode([1])
+        one_each(backend.decode([1]))
     backend.release([0])
 
 
@@ -243,7 +245,7 @@ def test_rows_leaving_and_joining_in_every_order_match_generate(setup, monkeypat
         if new and running and step % 2:  # joins at odd steps ride along the decode
             first, following = backend.step(new, [ids[s] for s in new],
                                             [sps[s] for s in new], running)
-            for slot, token in zip(new + running, first + following, strict=True):
+            for slot, token in zip(new + running, first + one_each(following), strict=True):
                 got.setdefault(slot, []).append(token)
             continue
         if new:
@@ -252,7 +254,7 @@ def test_rows_leaving_and_joining_in_every_order_match_generate(setup, monkeypat
                 got[slot] = [token]
         running += new  # as the engine does: the newcomers decode in the same step
         if running:
-            for slot, token in zip(running, backend.decode(running), strict=True):
+            for slot, token in zip(running, one_each(backend.decode(running)), strict=True):
                 got[slot].append(token)
         if len(got) == len(ids) and not running:
             break

@@ -24,7 +24,7 @@ SHIPPED = sorted(CONFIGS.glob("llama-2-*/*.yaml"))
 
 
 def _instance(path: Path) -> str:
-    return re.sub(r"-(latency|throughput)\.yaml$", "", path.name)
+    return re.match(r"inf2\.\d*xlarge", path.name).group(0)
 
 
 def test_the_shipped_set_covers_every_size() -> None:
@@ -49,7 +49,8 @@ def test_every_shipped_config_validates_on_its_instance(path: Path) -> None:
     assert main(["validate", str(path), "--instance", _instance(path)]) == 0
 
 
-@pytest.mark.parametrize("path", [p for p in SHIPPED if "70b" in p.parent.name],
+@pytest.mark.parametrize("path", [p for p in SHIPPED if "70b" in p.parent.name
+                                  and "int8" not in p.name],
                          ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_70b_ships_on_tp24_with_padding_and_replication_warned(path: Path, capsys) -> None:
     cfg = load_config(path)
@@ -66,7 +67,7 @@ def test_70b_ships_on_tp24_with_padding_and_replication_warned(path: Path, capsy
 
 def test_the_other_shipped_configs_have_no_warnings() -> None:
     for path in SHIPPED:
-        if "70b" not in path.parent.name:
+        if "70b" not in path.parent.name or "int8" in path.name:
             cfg = load_config(path)
             arch = ARCHITECTURES[cfg.handler.neuron.architecture]
             assert validate(cfg, arch, _instance(path)).warnings == [], path
@@ -276,3 +277,34 @@ def test_the_readme_example_output_is_what_validate_prints(capsys, monkeypatch) 
         assert code == (1 if any(s.startswith("# error") for s in shown) else 0)
         for line in shown:
             assert line.removeprefix("# ").removesuffix(" ...") in out, line
+
+
+QUANTIZED = sorted(CONFIGS.glob("llama-*/*int8*.yaml"))
+
+
+@pytest.mark.parametrize("path", QUANTIZED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_int8_configs_fit_their_instance_with_weights_at_about_half_of_bf16(path: Path,
+                                                                         capsys) -> None:
+    """Each shipped int8 config validates on its instance, and `validate` prints its weights
+    at int8: about half of the same config's in bf16 (the LM head and norms stay bf16)."""
+    assert main(["validate", str(path), "--instance", _instance(path)]) == 0
+    out = capsys.readouterr().out
+    int8 = float(re.search(r"weights ([\d.]+) GB at int8", out).group(1))
+    data = yaml.safe_load(path.read_text())
+    del data["handler"]["neuron"]["quantization"]
+    cfg = parse_config(data)
+    arch = ARCHITECTURES[cfg.handler.neuron.architecture]
+    note = next(n for n in validate(cfg, arch, None).notes if n.startswith("device memory"))
+    plain = float(re.search(r"weights ([\d.]+) GB at (bf16|f16)", note).group(1))
+    assert 0.45 < int8 / plain < 0.6, (int8, plain)
+
+
+def test_int8_makes_70b_and_13b_fit_instances_they_do_not_fit_in_bf16() -> None:
+    for name in ("llama-2-70b/inf2.24xlarge-int8-latency.yaml",
+                 "llama-2-13b/inf2.8xlarge-int8-throughput.yaml"):
+        data = yaml.safe_load((CONFIGS / name).read_text())
+        del data["handler"]["neuron"]["quantization"]
+        cfg = parse_config(data)
+        arch = ARCHITECTURES[cfg.handler.neuron.architecture]
+        problems = validate(cfg, arch, _instance(Path(name))).problems
+        assert any("device memory" in p for p in problems), (name, problems)
