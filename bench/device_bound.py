@@ -57,7 +57,12 @@ HOST_SAMPLING_TARGET = 0.95
 PRESETS = ("llama-2-7b-tp24", "llama-3-8b-int8-tp24")
 PRESET_BATCH = 8
 PRESET_STREAMS = (1, 8)
-CELLS = ("all", "base", "host-sampling", "presets")
+#: speculative decoding on the synthetic device (issue 28): a 10 ms target step verifying
+#: k = 4 draft tokens of 1 ms each, accepted at 0.7 -- with and without, same rounds
+SPEC_TARGET_MS, SPEC_DRAFT_MS, SPEC_LENGTH, SPEC_ACCEPTANCE = 10.0, 1.0, 4, 0.7
+SPEC_STREAMS = (1, 8, 32)
+SPEC_BATCH = 32
+CELLS = ("all", "base", "host-sampling", "presets", "speculation")
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,52 @@ def preset_archive(preset: str, threads: int) -> ArchiveSpec:
         "warmup": False, "synthetic": {"preset": preset}})
 
 
+def speculation_archive(speculative: bool, threads: int) -> ArchiveSpec:
+    synthetic = {"decode_step_ms": SPEC_TARGET_MS, "decode_ms_per_row": 0, "prefill_ms": [0]}
+    if speculative:
+        synthetic.update(speculation_length=SPEC_LENGTH, draft_step_ms=SPEC_DRAFT_MS,
+                         acceptance_rate=SPEC_ACCEPTANCE)
+    return ArchiveSpec(f"spec-{'on' if speculative else 'off'}", fmt="no-archive", handler={
+        "backend": "synthetic", "batching": "continuous", "batch_size": SPEC_BATCH,
+        "max_length": 1024, "max_new_tokens_limit": 512, "max_queue": 256, "threads": threads,
+        "warmup": False, "synthetic": synthetic})
+
+
+def speculation_bound(speculative: bool) -> tuple[float, float]:
+    """(ms a decode call takes, tokens a row keeps per call on average) of that archive."""
+    if not speculative:
+        return SPEC_TARGET_MS, 1.0
+    a, k = SPEC_ACCEPTANCE, SPEC_LENGTH
+    return SPEC_TARGET_MS + k * SPEC_DRAFT_MS, (1 - a ** (k + 1)) / (1 - a)
+
+
+def token_counters(metrics_url: str, model: str) -> tuple[float, float]:
+    """(GeneratedTokens, DeviceTokens) of `model` on the Prometheus port: the tokens its
+    requests were answered with, and the tokens its device produced (speculation only)."""
+    import re
+
+    import httpx
+
+    out = {"GeneratedTokens": 0.0, "DeviceTokens": 0.0}
+    for line in httpx.get(f"{metrics_url}/metrics", timeout=10).text.splitlines():
+        m = re.fullmatch(r"(\w+)\{(.*)\}\s+(\S+)", line.strip())
+        if m and m.group(1) in out and f'ModelName="{model}"' in m.group(2):
+            out[m.group(1)] += float(m.group(3))
+    return out["GeneratedTokens"], out["DeviceTokens"]
+
+
+def settled_counters(metrics_url: str, model: str) -> tuple[float, float]:
+    """The counters once the worker's last aggregation (every 0.5 s) has landed."""
+    last = token_counters(metrics_url, model)
+    for _ in range(20):
+        time.sleep(0.6)
+        now = token_counters(metrics_url, model)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def preset_step_ms(preset: str) -> float:
     """A decode step of the preset's compiled batch: what one token per stream costs."""
     p = SYNTHETIC_PRESETS[preset]
@@ -179,6 +230,10 @@ class DeviceBound:
     #: tokens/s, and the median gap between a stream's tokens (ms)
     preset_cells: dict[tuple[str, int], list[tuple[float, float, float]]] = field(
         default_factory=dict)
+    #: (speculative, streams) -> per round: host efficiency, tokens/s, time per output token
+    #: (ms, per stream), gap between a stream's chunks p50 and p99 (ms), and tokens delivered
+    #: / tokens the device produced (1 without speculation: nothing is dropped)
+    spec_cells: dict[tuple[bool, int], list[tuple[float, ...]]] = field(default_factory=dict)
     warmup: Warmup | None = None
     #: (seconds the rounds took, CPU seconds stolen by the hypervisor meanwhile)
     stolen: tuple[float, float] | None = None
@@ -216,6 +271,10 @@ class DeviceBound:
                                            for v, effs in self.hs_efficiency.items()},
                 "tokens_per_s_median": {v: round(statistics.median(t), 1)
                                         for v, t in self.hs_tokens_per_s.items()}}
+        if self.spec_cells:
+            out["speculation"] = {
+                f"{'on' if sp else 'off'} x {c}": [[round(x, 3) for x in r] for r in rounds]
+                for (sp, c), rounds in self.spec_cells.items()}
         if self.preset_cells:
             out["presets"] = {
                 f"{p} x {c}": {"step_ms": round(preset_step_ms(p), 2),
@@ -235,10 +294,11 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
         raise ValueError(f"cells {cells!r}; expected one of {CELLS}")
     if cells == "host-sampling":
         steps_ms, streams = (HOST_SAMPLING_STEP_MS,), (HOST_SAMPLING_STREAMS,)
-    if cells == "presets":
+    if cells in ("presets", "speculation"):
         steps_ms, streams = (), ()
     variants = tuple(HOST_SAMPLING_PARAMS) if cells in ("all", "host-sampling") else ()
     presets = PRESETS if cells in ("all", "presets") else ()
+    speculation = (False, True) if cells in ("all", "speculation") else ()
     out = DeviceBound(steps_ms, streams, rounds, lateness=step_lateness())
     print(f"device-bound: lateness of 5 ms steps {out.lateness}", flush=True)
     ckpt = synthetic_checkpoint(checkpoint, work / "synthetic-ckpt")
@@ -246,15 +306,20 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
     if variants:
         specs.append(archive(HOST_SAMPLING_STEP_MS, threads, HOST_SAMPLING_VOCAB))
     specs += [preset_archive(p, threads) for p in presets]
+    specs += [speculation_archive(sp, threads) for sp in speculation]
     store = build_store(work / "device", ckpt, specs)
     params = GenParams(max_new_tokens=NEW_TOKENS)  # the synthetic model never emits EOS
     runs: dict[tuple[float, int] | str, list[ScenarioResult]] = {}
+    #: preset and speculation cells: label -> (efficiency, result) per round
+    more: dict[tuple[str, int], list[tuple[float, ScenarioResult]]] = {}
     with running_server(store, work / "device-run", [s.name for s in specs]) as server:
         urls = {s: f"{server.inference_url}/predictions/{label(s)}" for s in steps_ms}
         hs_url = f"{server.inference_url}/predictions/{host_sampling_model()}"
         preset_urls = {p: f"{server.inference_url}/predictions/preset-{p}" for p in presets}
+        spec_urls = {sp: f"{server.inference_url}/predictions/spec-{'on' if sp else 'off'}"
+                     for sp in speculation}
         first = (urls[steps_ms[0]] if steps_ms else hs_url if variants
-                 else preset_urls[presets[0]])
+                 else preset_urls[presets[0]] if presets else spec_urls[False])
         out.warmup = settle_jit(first,
                                 server.inference_token, server.pid, prompts)
         print(f"device-bound: frontend JIT warm-up, {out.warmup.requests} requests, compiler "
@@ -262,6 +327,7 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
         warm = [(urls[s], max(streams), params) for s in steps_ms]
         warm += [(hs_url, HOST_SAMPLING_STREAMS, HOST_SAMPLING_PARAMS[v]) for v in variants]
         warm += [(preset_urls[p], max(PRESET_STREAMS), params) for p in presets]
+        warm += [(spec_urls[sp], max(SPEC_STREAMS), params) for sp in speculation]
         for url, c, p in warm:  # then each cell's own path once
             run_scenario(url, server.inference_token,
                          Scenario("concurrency", c, requests=3 * c), prompts, p)
@@ -303,8 +369,32 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
                     eff = host_efficiency(tps, c, preset_step_ms(p))
                     gap = (res.summary.itl.p50 or 0.0) * 1000
                     out.preset_cells.setdefault((p, c), []).append((eff, tps, gap))
+                    more.setdefault((f"preset-{p}", c), []).append((eff, res))
                     print(f"  round {r + 1} preset {p} streams {c}: {tps:7.1f} tok/s, token gap "
                           f"p50 {gap:.2f} ms, efficiency {eff:.3f}", flush=True)
+            for c in SPEC_STREAMS if speculation else ():
+                for sp in speculation if r % 2 == 0 else speculation[::-1]:
+                    name = f"spec-{'on' if sp else 'off'}"
+                    before = settled_counters(server.metrics_url, name) if sp else (0, 0)
+                    res = run_scenario(spec_urls[sp], server.inference_token,
+                                       Scenario("concurrency", c, requests=c * REQUESTS_PER_STREAM),
+                                       prompts, params, label=f"spec-{'on' if sp else 'off'}")
+                    tps = res.summary.output_tokens_per_s
+                    call_ms, per_call = speculation_bound(sp)
+                    eff = tps / (c * per_call / (call_ms / 1000))
+                    itl = res.summary.itl
+                    delivered = 1.0
+                    if sp:
+                        after = settled_counters(server.metrics_url, name)
+                        produced = after[1] - before[1]
+                        delivered = (after[0] - before[0]) / produced if produced else 0.0
+                    cell = (eff, tps, 1000 * c / tps if tps else 0.0, (itl.p50 or 0.0) * 1000,
+                            (itl.p99 or 0.0) * 1000, delivered)
+                    out.spec_cells.setdefault((sp, c), []).append(cell)
+                    more.setdefault((f"spec-{'on' if sp else 'off'}", c), []).append((eff, res))
+                    print(f"  round {r + 1} speculation {'on ' if sp else 'off'} streams {c:2d}: "
+                          f"{tps:7.1f} tok/s, {cell[2]:.2f} ms/token, efficiency {eff:.3f}, "
+                          f"delivered/produced {delivered:.3f}", flush=True)
         if stolen is not None:
             out.stolen = (time.perf_counter() - started, steal_s() - stolen)
     for key, cell in runs.items():  # the round whose efficiency is the median
@@ -312,6 +402,9 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
         mid = sorted(range(len(effs)), key=effs.__getitem__)[len(effs) // 2]
         name = host_sampling_label(key) if isinstance(key, str) else label(key[0])
         out.results.setdefault(name, []).append(cell[mid])
+    for (name, _), rounds in more.items():
+        rounds.sort(key=lambda r: r[0])
+        out.results.setdefault(name, []).append(rounds[len(rounds) // 2][1])
     return out
 
 
@@ -325,6 +418,8 @@ def summary_section(dev: DeviceBound) -> str:
         lines += _host_sampling_table(dev)
     if dev.preset_cells:
         lines += _preset_table(dev)
+    if dev.spec_cells:
+        lines += _speculation_table(dev)
     o = dev.lateness
     d, t = o["device_step"], o["time_sleep"]
     lines += [f"A {o['target_ms']:g} ms device step ends late by {d['median_us']} us "
@@ -416,6 +511,36 @@ def _preset_table(dev: DeviceBound) -> list[str]:
             eff, tps, gap = (statistics.median(r[i] for r in rounds) for i in range(3))
             cells.append(f"{tps:.0f} tok/s, gap {gap:.2f} ms, efficiency **{eff:.3f}**")
         lines.append(f"| {p} ({preset_step_ms(p):.2f} ms) | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _speculation_table(dev: DeviceBound) -> list[str]:
+    call, per_call = speculation_bound(True)
+    lines = [f"Speculative decoding on the synthetic device (`handler.synthetic."
+             f"speculation_length` {SPEC_LENGTH}, {SPEC_DRAFT_MS:g} ms draft steps, acceptance "
+             f"{SPEC_ACCEPTANCE:g}: a {call:g} ms call keeps {per_call:.2f} tokens a row on "
+             f"average) against the same {SPEC_TARGET_MS:g} ms target step without it, batch "
+             f"{SPEC_BATCH}, same rounds. Median of {dev.rounds} rounds: tokens/s, time per "
+             "output token of a stream, the gap between a stream's chunks (p50 / p99; several "
+             "tokens of one step arrive as one chunk), host efficiency against each "
+             "device's own bound (closed-loop streams leave a slot idle between requests, "
+             "which speculation's shorter requests pay more often), and tokens delivered / "
+             "tokens the device produced (the Prometheus counters GeneratedTokens / "
+             "DeviceTokens: what a request's end dropped of a step's tokens).", "",
+             "| speculation | " + " | ".join(f"{c} stream{'s' * (c > 1)}"
+                                            for c in SPEC_STREAMS) + " |",
+             "|---|" + "---|" * len(SPEC_STREAMS)]
+    for sp in (False, True):
+        if (sp, SPEC_STREAMS[0]) not in dev.spec_cells:
+            continue
+        cells = []
+        for c in SPEC_STREAMS:
+            rounds = dev.spec_cells[sp, c]
+            eff, tps, tpot, p50, p99, kept = (statistics.median(r[i] for r in rounds)
+                                              for i in range(6))
+            cells.append(f"{tps:.0f} tok/s, **{tpot:.2f} ms/token**, gap {p50:.1f} / {p99:.1f} "
+                         f"ms, efficiency {eff:.3f}, delivered/produced **{kept:.3f}**")
+        lines.append(f"| {'on' if sp else 'off'} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 

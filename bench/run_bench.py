@@ -14,14 +14,15 @@ One run, one machine, the same torch thread count everywhere:
   4. the device-bound scenario (bench/device_bound.py): a synthetic device of 10 ms and
      5 ms decode steps served through TorchServe, host efficiency at 1-64 streams, and
      with host sampling of 128,256-token logits at 32 streams (greedy and sampled), and the
-     published bf16 and int8 step times replayed (presets) at 1 and 8 streams;
+     published bf16 and int8 step times replayed (presets) at 1 and 8 streams, and
+     speculative decoding with and without at 1, 8 and 32 streams;
   5. a side-by-side report (bench.json, bench.md, PNG plots) plus SUMMARY.md with the
      issue's targets as measured ratios.
 Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 30 minutes on 2 cores);
 `--only device-bound` (`make bench-device`, a few minutes) reruns just step 4 and replaces
-its part of an existing report; `--device-cells host-sampling` (or `base`, `presets`) runs
-only those cells of it -- for a quick look, into another --out, since the report then holds
-only them.
+its part of an existing report; `--device-cells host-sampling` (or `base`, `presets`,
+`speculation`) runs only those cells of it -- for a quick look, into another --out, since the
+report then holds only them.
 """
 
 from __future__ import annotations
@@ -330,7 +331,8 @@ def main() -> int:
                     help="rounds of the device-bound scenario (median reported)")
     ap.add_argument("--device-cells", choices=device_bound.CELLS, default="all",
                     help="device-bound cells to run: every (step, streams) cell ('base'), "
-                    "the host-sampling ones, the published-preset ones ('presets'), or all")
+                    "the host-sampling ones, the published-preset ones ('presets'), speculation "
+                    "with and without ('speculation'), or all")
     ap.add_argument("--pair-ratios", type=int, nargs=2, default=[29, 5], metavar=("AT8", "AT32"),
                     help="continuous/micro ratios at 8 and 32 streams, each from that many + 2 "
                     "alternating closed-loop runs (~11 and ~23 s a run here). 8 streams gets "

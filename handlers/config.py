@@ -143,6 +143,15 @@ class SyntheticSettings:
     prefill_ms: list | None = _opt(None, doc="one per bucket: a prefill call costs its longest "
                                              "prompt's bucket; default: the preset's "
                                              "(estimates), else one decode step")
+    speculation_length: int = _opt(
+        0, lo=0, hi=32, doc="0 = off; else each decode call runs this many draft steps and one "
+                            "target step, and each row keeps 1 to this + 1 tokens")
+    draft_step_ms: float | None = _opt(None, lo=0.0, doc="one draft step; default a tenth of "
+                                                         "the target's decode step")
+    acceptance_rate: float = _opt(0.7, lo=0.0, hi=1.0,
+                                  doc="chance that each draft token is accepted, given the ones "
+                                      "before it were (drawn per row and position: "
+                                      "deterministic for greedy and seeded rows)")
     host_sampling_vocab: int = _opt(
         0, lo=0, hi=1_000_000,
         doc="0 = off; else each call returns float32 logits [rows, this vocabulary] that the "

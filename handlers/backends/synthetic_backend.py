@@ -49,6 +49,7 @@ from handlers.errors import ConfigError, RequestError
 
 logger = logging.getLogger(__name__)
 _MASK = (1 << 64) - 1
+_SPECULATION = 0x5DEECE66D  # salts the acceptance draws apart from the token draws
 #: a token that starts a word: sentencepiece "▁" or byte-level BPE "Ġ", then letters
 _WORD = re.compile(r"^[\u2581\u0120][A-Za-z]{2,}$")
 MIN_WORDS = 16
@@ -257,7 +258,11 @@ class SyntheticBackend(Backend):
                                   f"hold the checkpoint's word tokens (ids up to "
                                   f"{max(self.words)}); set it above that (e.g. the model's "
                                   f"vocab_size, {vocab}) or to 0")
+            if self.timing.speculation_length:
+                raise ConfigError("handler.synthetic.host_sampling_vocab: host sampling with "
+                                  "speculation_length is not modelled; set one of them to 0")
             self._host = HostSampling(self.batch_size, host_vocab, self.eos_token_ids)
+        self.max_tokens_per_step = self.timing.speculation_length + 1
         logger.info("synthetic device: decode %.2f ms at batch %d, prefill %s ms for buckets "
                     "%s, %d word tokens", self._decode_s * 1000, self.batch_size,
                     list(self.timing.prefill_ms), list(self.timing.buckets), len(self.words))
@@ -283,11 +288,30 @@ class SyntheticBackend(Backend):
 
     def _decode(self, slots: Sequence[int]) -> Rows:
         start = self._clock()
+        if self.timing.speculation_length:
+            rows = [self._speculate(self._rows[s]) for s in slots]
+            self._wait(start, self._decode_s)
+            return rows
         tokens = [self._next(self._rows[s]) for s in slots]
         self._wait(start, self._decode_s)
         if self._host is not None:  # after the device call, as on Neuron
             tokens = self._host.pick([self._rows[s].sampler for s in slots], tokens)
         return [[token] for token in tokens]
+
+    def _speculate(self, row: _Row) -> list[int]:
+        """The accepted draft tokens and the target's: the same tokens a step of one would
+        give (lossless), 1 to k + 1 of them. Whether draft i is accepted is a draw keyed on
+        the row and its position (a seeded or greedy row's pattern repeats; an unseeded
+        sampled row's comes from its own random generator)."""
+        k, rate = self.timing.speculation_length, self.timing.acceptance_rate
+        accepted = 0
+        while accepted < k:
+            u = (row.rng.random() if row.rng is not None
+                 else _mix(row.key ^ _mix(row.position + accepted) ^ _SPECULATION) / 2.0**64)
+            if u >= rate:
+                break
+            accepted += 1
+        return [self._next(row) for _ in range(accepted + 1)]
 
     def _release(self, slots: Sequence[int]) -> None:
         for slot in slots:

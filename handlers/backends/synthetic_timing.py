@@ -66,15 +66,29 @@ PRESETS: dict[str, Preset] = {
 
 @dataclass(frozen=True)
 class DeviceTiming:
-    """Resolved timing of one synthetic device; every value in milliseconds."""
+    """Resolved timing of one synthetic device; every value in milliseconds.
+
+    With speculation (`speculation_length` k > 0) a decode call is k draft steps and one
+    target step that verifies them: on Inf2 a step costs about the same whether it yields
+    one token or checks several. Each row keeps its accepted draft tokens, each accepted
+    with `acceptance_rate` given the ones before it, plus the target's own token."""
 
     decode_step_ms: float
     decode_ms_per_row: float
     buckets: tuple[int, ...]  # ascending prompt lengths
     prefill_ms: tuple[float, ...]  # one per bucket
+    speculation_length: int = 0
+    draft_step_ms: float = 0.0
+    acceptance_rate: float = 0.0
 
     def decode_s(self, batch_size: int) -> float:
-        return (self.decode_step_ms + self.decode_ms_per_row * (batch_size - 1)) / 1000
+        target = self.decode_step_ms + self.decode_ms_per_row * (batch_size - 1)
+        return (target + self.speculation_length * self.draft_step_ms) / 1000
+
+    def tokens_per_call(self) -> float:
+        """Expected tokens a row keeps per decode call: sum of a^i for i in 0..k."""
+        a, k = self.acceptance_rate, self.speculation_length
+        return float(k + 1) if a == 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
     def bucket_index(self, prompt_length: int) -> int:
         """The smallest bucket that holds the prompt; ValueError past the largest."""
@@ -118,7 +132,11 @@ def resolve_timing(s, max_length: int) -> DeviceTiming:
                                               len(preset.buckets) - 1)] for b in buckets)
     else:
         prefill = (step,) * len(buckets)
-    return DeviceTiming(step, per_row, buckets, prefill)
+    k = getattr(s, "speculation_length", 0)
+    draft = getattr(s, "draft_step_ms", None)
+    draft = step / 10 if draft is None else draft
+    return DeviceTiming(step, per_row, buckets, prefill, k, draft if k else 0.0,
+                        getattr(s, "acceptance_rate", 0.0) if k else 0.0)
 
 
 def _check_buckets(values: list, max_length: int) -> tuple[int, ...]:

@@ -74,6 +74,9 @@ class Engine:
                              "logprobs (Capabilities.unsupported)")
         self.backend = backend
         self.scheduler = scheduler
+        #: several tokens a step: the tokens the device produced are counted (DeviceTokens),
+        #: so that those a request's end dropped show beside GeneratedTokens
+        self._speculative = backend.max_tokens_per_step > 1
         self._observe = observer or (lambda name, value, unit: None)
         #: called on the output side after each step's events went to their sinks (the
         #: engine process sends them to the TorchServe worker as one message here)
@@ -270,6 +273,8 @@ class Engine:
         if len(rows) == len(seqs) and all(row and eos.isdisjoint(row) for row in rows):
             self._items = Unrecorded(seqs, rows)
             self._behind = True
+            if self._speculative:
+                self._observe("DeviceTokens", sum(map(len, rows)), "count")
         else:
             self._deliver(seqs, rows, what)
 
@@ -358,6 +363,8 @@ class Engine:
             self._fail(seqs, 500, f"generation failed ({what}); the worker log has the details")
             return
         eos, max_length = self.backend.eos_token_ids, self.backend.max_length
+        if self._speculative:
+            self._observe("DeviceTokens", sum(map(len, rows)), "count")
         finished = []
         for seq, row in zip(seqs, rows, strict=True):
             kept, reason = seq.extend(row, eos, max_length)

@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
 #: what each name the engine observes is exported as
 KINDS = {"TimeToFirstToken": "histogram", "EngineQueueTime": "histogram",
-         "GeneratedTokens": "counter", "WaitingRequests": "gauge", "BusySlots": "gauge"}
+         "GeneratedTokens": "counter", "DeviceTokens": "counter", "WaitingRequests": "gauge",
+         "BusySlots": "gauge"}
 
 #: emit(name, unit, kind ("counter" | "gauge"), value, labels)
 Emit = Callable[[str, str, str, float, dict[str, str]], None]

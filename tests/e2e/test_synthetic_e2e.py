@@ -17,6 +17,8 @@ pytestmark = pytest.mark.e2e
 
 HANDLER = {"backend": "synthetic", "batch_size": 64, "threads": 1, "warmup": False,
            "synthetic": {"decode_step_ms": 2, "prefill_ms": [3]}}
+SPECULATIVE = {**HANDLER, "synthetic": {**HANDLER["synthetic"], "speculation_length": 4,
+                                         "draft_step_ms": 0.5}}
 PROMPTS = [f"Stream {i} begins with" for i in range(8)]
 NEW_TOKENS = 40
 
@@ -35,8 +37,9 @@ def checkpoint(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("synth-e2e")
-    store = build_store(root, checkpoint, [ArchiveSpec("synth", handler=HANDLER)])
-    with running_server(store, root / "run", ["synth"]) as srv:
+    store = build_store(root, checkpoint, [ArchiveSpec("synth", handler=HANDLER),
+                                           ArchiveSpec("spec", handler=SPECULATIVE)])
+    with running_server(store, root / "run", ["synth", "spec"]) as srv:
         yield srv
 
 
@@ -54,12 +57,15 @@ def _expected(checkpoint, prompt: str) -> str:
     return tok.decode(ids, skip_special_tokens=True)
 
 
-def test_concurrent_streams_carry_the_synthetic_models_words(server, checkpoint):
+@pytest.mark.parametrize("model", ["synth", "spec"])
+def test_concurrent_streams_carry_the_synthetic_models_words(server, checkpoint, model):
+    """With speculation ("spec": 1 to 5 tokens a step) the streams carry the same words and
+    end at exactly max_new_tokens, as one token a step does."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(prompt: str):
-        return post(server, "synth", {"prompt": prompt, "max_new_tokens": NEW_TOKENS,
-                                      "stream_format": "ndjson"})
+        return post(server, model, {"prompt": prompt, "max_new_tokens": NEW_TOKENS,
+                                    "stream_format": "ndjson"})
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(one, PROMPTS))

@@ -141,3 +141,21 @@ def test_device_bench_reports_the_published_presets_bf16_beside_int8():
     assert "| llama-2-7b-tp24 (12.10 ms) | 80 tok/s, gap 12.50 ms, efficiency **0.900**" in text
     assert "| llama-3-8b-int8-tp24 (10.45 ms) |" in text
     assert dev.meta()["presets"]["llama-3-8b-int8-tp24 x 8"]["step_ms"] == 10.45
+
+
+def test_device_bench_reports_speculation_beside_the_plain_step():
+    from bench.device_bound import SPEC_STREAMS, DeviceBound, speculation_bound, summary_section
+
+    assert speculation_bound(False) == (10.0, 1.0)
+    call_ms, per_call = speculation_bound(True)
+    assert call_ms == 14.0 and per_call == pytest.approx(2.77, abs=0.01)  # k 4, acceptance 0.7
+    dev = DeviceBound((), (), 1, lateness={
+        "target_ms": 5.0, "samples": 1, "device_step": dict.fromkeys(
+            ("median_us", "mean_us", "p99_us", "max_us"), 1.0),
+        "time_sleep": dict.fromkeys(("median_us", "mean_us", "p99_us", "max_us"), 1.0)})
+    for c in SPEC_STREAMS:
+        dev.spec_cells[False, c] = [(0.97, 97.0 * c, 10.3, 10.1, 12.0, 1.0)]
+        dev.spec_cells[True, c] = [(0.93, 180.0 * c, 5.5, 14.2, 16.0, 0.98)]
+    text = summary_section(dev)
+    assert "| off | 97 tok/s, **10.30 ms/token**, gap 10.1 / 12.0 ms" in text
+    assert "| on | 180 tok/s, **5.50 ms/token**" in text and "delivered/produced **0.980**" in text

@@ -107,6 +107,15 @@ def test_metrics_observed():
     names = [s[0] for s in seen]
     assert names.count("TimeToFirstToken") == 1 and "EngineQueueTime" in names
     assert ("GeneratedTokens", 3, "count") in seen
+    assert "DeviceTokens" not in names  # counted only where a step yields several tokens
+
+
+def test_with_several_tokens_a_step_the_device_tokens_count_what_an_end_dropped():
+    engine, _, seen = make(tokens_per_step=3)
+    submit(engine, "a", 100, 5, {})  # prefill 1, then decodes of 3: 1 + 3 + 3 = 7 produced
+    run(engine)
+    assert ("GeneratedTokens", 5, "count") in seen
+    assert sum(v for name, v, _ in seen if name == "DeviceTokens") == 7
 
 
 def test_thread_loop_serves_and_stops():

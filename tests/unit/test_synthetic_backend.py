@@ -390,3 +390,56 @@ def test_host_sampling_vocab_must_hold_the_word_tokens(tiny_checkpoint, tokenize
                                           "checkpoint's word tokens"):
         _host(tiny_checkpoint, tokenizer, vocab=100)
     assert _backend(tiny_checkpoint, tokenizer)._host is None  # off by default
+
+
+# -- speculation ---------------------------------------------------------------------------
+SPEC = {"decode_step_ms": 10, "speculation_length": 4, "draft_step_ms": 1,
+        "acceptance_rate": 0.7}
+
+
+def _speculate(backend: SyntheticBackend, slot: int, prompt: list[int], calls: int,
+               params: SamplingParams = GREEDY) -> list[list[int]]:
+    rows = [backend.prefill([slot], [prompt], [params])]
+    rows += [backend.decode([slot])[0] for _ in range(calls)]
+    backend.release([slot])
+    return rows
+
+
+def test_speculation_yields_the_same_tokens_a_step_of_one_would(tiny_checkpoint, tokenizer):
+    """Lossless: the accepted tokens, joined, are the plain device's tokens; each decode
+    keeps 1 to k + 1 of them, and the pattern repeats for the same prompt (and seed)."""
+    spec = _backend(tiny_checkpoint, tokenizer, synthetic=SPEC)
+    assert spec.max_tokens_per_step == 5
+    for params in (GREEDY, SamplingParams(temperature=0.9, seed=7)):
+        rows = _speculate(spec, 0, [5, 6], 40, params)
+        assert all(1 <= len(r) <= 5 for r in rows[1:]) and len({len(r) for r in rows}) > 2
+        flat = [t for r in rows for t in r]
+        plain = _backend(tiny_checkpoint, tokenizer)
+        assert flat == _run(plain, 0, [5, 6], len(flat), params)
+        assert _speculate(spec, 2, [5, 6], 40, params) == rows
+
+
+def test_speculation_accepts_at_the_configured_rate_and_costs_k_drafts_and_one_target(
+        tiny_checkpoint, tokenizer):
+    clock = FakeClock()
+    spec = _backend(tiny_checkpoint, tokenizer, clock, synthetic=SPEC)
+    assert spec.timing.tokens_per_call() == pytest.approx((1 - 0.7 ** 5) / 0.3)
+    rows = _speculate(spec, 0, [9], 2000)[1:]
+    mean = sum(map(len, rows)) / len(rows)
+    assert mean == pytest.approx(spec.timing.tokens_per_call(), rel=0.05)
+    clock.slept.clear()
+    spec.prefill([0], [[5]], [GREEDY])
+    clock.slept.clear()
+    spec.decode([0])
+    assert clock.slept == [pytest.approx(0.014)]  # 4 drafts x 1 ms + the 10 ms target step
+
+
+def test_speculation_settings_are_checked_and_default_the_draft_step(tiny_checkpoint,
+                                                                     tokenizer):
+    t = resolve_timing(_config({"decode_step_ms": 8, "speculation_length": 3}).synthetic, 256)
+    assert (t.speculation_length, t.draft_step_ms, t.acceptance_rate) == (3, 0.8, 0.7)
+    with pytest.raises(ConfigError, match=r"acceptance_rate: 1.5 is out of range"):
+        _config({"decode_step_ms": 8, "speculation_length": 3, "acceptance_rate": 1.5})
+    with pytest.raises(ConfigError, match="host sampling with speculation_length"):
+        _backend(tiny_checkpoint, tokenizer,
+                 synthetic={**SPEC, "host_sampling_vocab": 200_000})
