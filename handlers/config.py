@@ -209,6 +209,12 @@ class HandlerConfig:
         "child", choices=("child", "inline"),
         doc="child: the model runs in a process the worker supervises (its death fails its "
             "requests at once, then it restarts); inline: in the worker (one process)")
+    step_timeout_s: float = _opt(
+        0.0, lo=0.0, hi=86_400.0,
+        doc="a model process whose engine spends longer in one step (a stuck device call, a "
+            "deadlock) is killed: its requests fail with a 500 and it restarts from the compile "
+            "cache. 0 = auto: 20 device steps of the synthetic device (at least 5 s), else "
+            "120 s. engine_process child only")
     worker_service: str = _opt(
         "inf2serve", choices=("inf2serve", "torchserve"),
         doc="who runs TorchServe's async protocol in the worker: inf2serve's service "
@@ -224,6 +230,18 @@ class HandlerConfig:
     @property
     def effective_micro_batch_size(self) -> int:
         return self.micro_batch_size or self.batch_size
+
+    @property
+    def effective_step_timeout_s(self) -> float:
+        """step_timeout_s, or its automatic bound: the longest call a synthetic device makes,
+        20 times over, or 120 s where a step's time is the model's (a CPU prefill of a long
+        prompt takes seconds; a Neuron decode step 6-100 ms, a prefill at most a few s)."""
+        if self.step_timeout_s:
+            return self.step_timeout_s
+        if self.backend == "synthetic":
+            t = resolve_timing(self.synthetic, self.max_length)
+            return max(5.0, 20 * max(t.decode_s(self.batch_size), max(t.prefill_ms) / 1000))
+        return 120.0
 
     @property
     def torch_dtype(self) -> str:

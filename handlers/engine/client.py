@@ -8,6 +8,13 @@ stream had started) and starts a new one, which loads from the compile cache.
 Requests arriving meanwhile wait for it, up to handler.max_queue; if it fails to load,
 they get a 503 and the worker keeps retrying with a growing pause.
 
+A process can also stop without dying: SIGSTOP, a wedged runtime, a device call that
+never returns. Its heartbeat (handlers/engine/messages.Heartbeat, every HEARTBEAT_S
+from its own thread) says how long the engine has been in its current step; while the
+worker has requests there, a process silent for SILENT_S, or whose step has run past
+handler.step_timeout_s, is killed and handled as a death: its requests are answered
+with a 500 and it restarts.
+
 The worker keeps each request it sent as the `EngineRequest` it sent and the sink it
 answers to: enough to send it again or answer for it. It builds no engine `Sequence`;
 detokenizing and stop strings happen in the engine process. The messages and the handle
@@ -49,9 +56,11 @@ from handlers.config import ModelConfig
 from handlers.engine import process as engine_process
 from handlers.engine.core import Observer, QueueSink
 from handlers.engine.messages import (
+    SILENT_S,
     Cancel,
     EngineRequest,
     FromEngine,
+    Heartbeat,
     LoadFailed,
     ModelLimits,
     Ready,
@@ -102,6 +111,11 @@ class EngineClient:
         #: why requests get a 503 now (a restart failed); None while they can be taken
         self.down: str | None = None
         self._stopping = threading.Event()
+        # the watchdog's (the supervising thread's own): when the process was last heard
+        # from, and how long its engine had then been in one step
+        self._heard = time.monotonic()
+        self._busy_s = 0.0
+        self._step_timeout_s = spec.config.handler.effective_step_timeout_s
 
     @classmethod
     def start(cls, config: ModelConfig, model_dir: Path, observer: Observer | None = None,
@@ -201,6 +215,7 @@ class EngineClient:
                     f"raised in the engine process {proc.pid}:\n{message.traceback}")
             raise EngineProcessError(f"the engine process {proc.pid} {reason} before the "
                                      "model was loaded; its log lines are above")
+        self._heard, self._busy_s = time.monotonic(), 0.0  # a new process: heard just now
         with self._lock:
             self._incarnation += 1
             self._proc, self._conn, self.limits, self.pid = proc, conn, message.limits, proc.pid
@@ -211,19 +226,44 @@ class EngineClient:
             self._send(conn, entry.request)
 
     def _supervise(self) -> None:
-        """Relay the engine process's messages; answer for it and restart it when it dies."""
+        """Relay the engine process's messages; answer for it and restart it when it dies,
+        or when it hangs (the watchdog: `_hung`)."""
         while not self._stopping.is_set():
             with self._lock:
                 conn, proc = self._conn, self._proc
-            message = _receive(conn, proc)
-            if message is not None:
+            message = _receive(conn, proc, idle=_IDLE)
+            hung = None
+            if message is _IDLE or type(message) is Heartbeat:
+                if type(message) is Heartbeat:
+                    self._heard, self._busy_s = time.monotonic(), message.busy_s
+                hung = self._hung(time.monotonic())
+                if hung is None:
+                    continue
+            elif message is not None:
+                self._heard = time.monotonic()
                 try:
                     self._deliver(message)
                 except Exception:  # this thread must outlive anything a message can cause
                     logger.exception("relaying a message of the engine process failed")
-            elif not self._stopping.is_set():
-                self._died(proc)
+                continue
+            if not self._stopping.is_set():
+                self._died(proc, hung)
                 self._restart()
+
+    def _hung(self, now: float) -> str | None:
+        """Why the engine process counts as hung, or None: only while it holds requests."""
+        with self._lock:
+            holding = any(r.sent_to == self._incarnation for r in self._requests.values())
+        if not holding:
+            return None
+        silent = now - self._heard
+        if silent > SILENT_S:
+            return (f"sent nothing for {silent:.1f}s (stopped or wedged; a live one says so "
+                    "every second)")
+        if self._busy_s > self._step_timeout_s:
+            return (f"spent {self._busy_s:.0f}s in one step, past handler.step_timeout_s "
+                    f"{self._step_timeout_s:g}")
+        return None
 
     def _deliver(self, message: FromEngine) -> None:
         """A message of the serving engine process: only `StepOutputs` are expected."""
@@ -252,8 +292,13 @@ class EngineClient:
         for observation in step.observations:
             self._observe(*observation)
 
-    def _died(self, proc: BaseProcess) -> None:
+    def _died(self, proc: BaseProcess, hung: str | None = None) -> None:
+        if hung is not None:  # a stopped process cannot exit: kill it, then it is a death
+            logger.error("engine process %d %s: killing it", proc.pid, hung)
+            proc.kill()
         reason = _stop_process(proc)
+        if hung is not None:
+            reason = f"hung ({hung})"
         with self._lock:
             lost = [r for r in self._requests.values() if r.sent_to == self._incarnation]
             for entry in lost:
@@ -303,12 +348,19 @@ class EngineClient:
                 pass
 
 
-def _receive(conn: Connection, proc: BaseProcess, timeout_s: float | None = None
-             ) -> FromEngine | None:
-    """The next message, or None once the process is gone (or `timeout_s` passed)."""
+#: what `_receive(idle=_IDLE)` returns after a poll with nothing to read
+_IDLE = object()
+
+
+def _receive(conn: Connection, proc: BaseProcess, timeout_s: float | None = None,
+             idle: object = None) -> FromEngine | None | object:
+    """The next message, or None once the process is gone (or `timeout_s` passed); with
+    `idle`, that object after one empty poll of POLL_S, so the caller can look around."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         ready = conn.poll(POLL_S)
+        if not ready and idle is not None and proc.is_alive():
+            return idle
         if ready or not proc.is_alive():
             if not ready and not conn.poll(0):
                 return None

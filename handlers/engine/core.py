@@ -100,6 +100,9 @@ class Engine:
         #: may change the batch happened there (a cancel; an end on the output side, a stop
         #: string). The engine clears it, under `_cond`, as a full step begins
         self._poked = False
+        #: when the current step began (time.monotonic()), None between steps: read by the
+        #: engine process's heartbeat thread, so a stuck device call is seen from outside
+        self.busy_since: float | None = None
 
     # -- called from request threads -------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -168,9 +171,12 @@ class Engine:
                         self._cond.wait(wait)
                     if self._stopping:
                         return
+                self.busy_since = time.monotonic()
                 self._output.put(self.collect())
                 while (batch := self._unchanged_batch()) is not None:
+                    self.busy_since = time.monotonic()
                     self._output.put(self.collect(batch))
+                self.busy_since = None
         finally:
             self._output.stop()
             self._output = None

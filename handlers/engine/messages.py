@@ -87,6 +87,21 @@ class LoadFailed:
     traceback: str
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent every HEARTBEAT_S from its own thread while the process serves: the worker's
+    watchdog hears the process is alive (a stopped or wedged one falls silent) and how
+    long its engine has been inside the current step (a stuck device call)."""
+
+    busy_s: float  # seconds the engine has spent in its current step; 0 between steps
+
+
+#: seconds between heartbeats
+HEARTBEAT_S = 1.0
+#: a process with requests that has sent nothing for this long is stopped or wedged
+SILENT_S = 3.0
+
+
 #: a text event's fields: (request_id, text, tokens rendered so far)
 TextItem = tuple[str, str, int]
 #: a request's last event: (request_id, FinishEvent or ErrorEvent)
@@ -109,7 +124,7 @@ class StepOutputs:
 
 
 ToEngine = EngineRequest | Cancel | Stop
-FromEngine = Ready | LoadFailed | StepOutputs
+FromEngine = Ready | LoadFailed | StepOutputs | Heartbeat
 
 
 # -- the handle the worker side holds -------------------------------------------------

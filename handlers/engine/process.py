@@ -21,14 +21,17 @@ import os
 import pickle
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
 from handlers.engine.core import Engine
 from handlers.engine.messages import (
+    HEARTBEAT_S,
     Cancel,
     EngineRequest,
     FinalItem,
+    Heartbeat,
     LoadFailed,
     Observation,
     Ready,
@@ -68,6 +71,14 @@ class Outbox:
         with self._lock:
             self._observations.append((name, value, unit))
 
+    def send(self, message: object) -> None:
+        """One message now, between the step messages (under the same lock)."""
+        with self._lock:
+            try:
+                self._conn.send(message)
+            except OSError:  # the worker is gone
+                os._exit(0)
+
     def flush(self) -> None:
         with self._lock:
             if not self._texts and not self._finals and not self._observations:
@@ -93,7 +104,19 @@ def main(conn: Connection, spec: EngineSpec) -> None:
         conn.send(LoadFailed(_portable(exc), traceback.format_exc()))
         return
     conn.send(Ready(model_limits(engine.backend)))
+    threading.Thread(target=heartbeat, args=(engine, outbox), name="inf2serve-heartbeat",
+                     daemon=True).start()
     serve(conn, engine, tokenizer, outbox)
+
+
+def heartbeat(engine: Engine, outbox: Outbox) -> None:
+    """Tell the worker every HEARTBEAT_S that this process lives and how long the engine
+    has been in its current step. Its own thread: a step that never returns, or a process
+    that is stopped, is then told apart from a busy one (handlers/engine/client.py)."""
+    while True:
+        time.sleep(HEARTBEAT_S)
+        since = engine.busy_since
+        outbox.send(Heartbeat(0.0 if since is None else time.monotonic() - since))
 
 
 def serve(conn: Connection, engine: Engine, tokenizer, outbox: Outbox) -> None:

@@ -38,19 +38,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class SlowBackend(CountingBackend):
     """A CountingBackend whose decode takes `step_s`; refuses to load while `broken` exists,
-    takes 3 s to load while `slow` does."""
+    takes 3 s to load while `slow` does, and a decode never returns while `stuck` does (a
+    device call that hangs, the GIL released)."""
 
     def __init__(self, step_s: float = 0.02, broken: str | None = None,
-                 slow: str | None = None, **kw) -> None:
+                 slow: str | None = None, stuck: str | None = None, **kw) -> None:
         if broken and os.path.exists(broken):
             raise ConfigError(f"handler.checkpoint: {broken} says the model is broken")
         if slow and os.path.exists(slow):
             time.sleep(3)
         super().__init__(**kw)
-        self.step_s = step_s
+        self.step_s, self.stuck = step_s, stuck
 
     def decode(self, slots):
         time.sleep(self.step_s)
+        while self.stuck and os.path.exists(self.stuck):
+            time.sleep(0.05)
         return super().decode(slots)
 
 
@@ -82,12 +85,13 @@ class Stream:
 
 
 def start(tmp_path, batch_size: int = 4, max_queue: int = 8, observer=None,
-          broken: str | None = None, slow: str | None = None, **handler) -> EngineClient:
+          broken: str | None = None, slow: str | None = None, stuck: str | None = None,
+          **handler) -> EngineClient:
     config = parse_config({"handler": {"batch_size": batch_size, "max_queue": max_queue,
                                        "max_length": 512, "max_new_tokens_limit": 256,
                                        "warmup": False, **handler}})
     spec = EngineSpec(config, tmp_path, make_tokenizer=CharTokenizer,
-                      make_backend=partial(SlowBackend, broken=broken, slow=slow,
+                      make_backend=partial(SlowBackend, broken=broken, slow=slow, stuck=stuck,
                                            batch_size=batch_size, max_length=512))
     return EngineClient.launch(spec, observer, batch_size + max_queue)
 
@@ -122,6 +126,56 @@ def test_a_killed_engine_process_fails_its_requests_at_once_then_serves_again(tm
     assert after.wait_done(60)
     assert isinstance(after.last, FinishEvent) and after.last.completion_tokens == 20
     assert client.pid != dead and not psutil.pid_exists(dead)
+
+
+def test_a_stopped_engine_process_is_killed_and_its_requests_fail_within_5s(tmp_path, clients):
+    """SIGSTOP: the process neither dies nor answers. Its heartbeat falls silent, the
+    watchdog kills it (while it holds requests), and they end as after a death."""
+    client = start(tmp_path)
+    clients.append(client)
+    streams = [submit(client, f"r{i}") for i in range(4)]
+    assert all(s.wait_started() for s in streams)
+    stopped = client.pid
+    began = time.monotonic()
+    os.kill(stopped, signal.SIGSTOP)
+    assert all(s.wait_done(5) for s in streams)  # the issue's bound
+    assert time.monotonic() - began < 5
+    for s in streams:
+        assert isinstance(s.last, ErrorEvent) and s.last.status == 500
+        assert "hung (sent nothing for" in s.last.message and "retry" in s.last.message
+    after = submit(client, "after", n=20)
+    assert after.wait_done(60) and isinstance(after.last, FinishEvent)
+    assert client.pid != stopped and not psutil.pid_exists(stopped)
+
+
+def test_a_step_that_never_returns_is_caught_by_the_step_timeout(tmp_path, clients):
+    """A device call that hangs with the process alive (its heartbeat still beats): past
+    handler.step_timeout_s in one step, the process is killed and restarted."""
+    stuck = tmp_path / "stuck"
+    client = start(tmp_path, stuck=str(stuck), step_timeout_s=2)
+    clients.append(client)
+    running = submit(client, "running")
+    assert running.wait_started()
+    stuck.touch()
+    assert running.wait_done(8)
+    assert running.last.status == 500 and "past handler.step_timeout_s 2" in running.last.message
+    stuck.unlink()
+    after = submit(client, "after", n=5)
+    assert after.wait_done(60) and isinstance(after.last, FinishEvent)
+
+
+def test_an_idle_process_that_is_slow_to_answer_is_left_alone(tmp_path, clients):
+    """No requests, no watchdog: a process only counts as hung while it holds requests."""
+    client = start(tmp_path)
+    clients.append(client)
+    pid = client.pid
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(4.5)
+    assert client.pid == pid and psutil.pid_exists(pid)
+    os.kill(pid, signal.SIGCONT)
+    time.sleep(1.5)  # its heartbeat is heard again before the next request
+    done = submit(client, "after", n=5)
+    assert done.wait_done(30) and isinstance(done.last, FinishEvent) and client.pid == pid
 
 
 def test_a_model_that_fails_to_load_raises_its_own_error(tmp_path):
