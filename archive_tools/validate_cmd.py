@@ -45,6 +45,10 @@ ARCHITECTURES = {  # published Llama-2 configs (config.json of the meta-llama ch
     "llama-2-7b": Arch(32, 4096, 32, 32, 32000, 11008, 4096),
     "llama-2-13b": Arch(40, 5120, 40, 40, 32000, 13824, 4096),
     "llama-2-70b": Arch(80, 8192, 64, 8, 32000, 28672, 4096),
+    # draft models for speculation (handler.neuron.speculation.draft_architecture):
+    # TinyLlama/TinyLlama-1.1B (Llama-2's tokenizer) and meta-llama/Llama-3.2-1B config.json
+    "tinyllama-1.1b": Arch(22, 2048, 32, 4, 32000, 5632, 2048),
+    "llama-3.2-1b": Arch(16, 2048, 32, 8, 128256, 8192, 131072, "bfloat16"),
     # meta-llama/Meta-Llama-3-8B config.json (rope_theta 500000, no rope scaling)
     "llama-3-8b": Arch(32, 4096, 32, 8, 128256, 14336, 8192, "bfloat16"),
     # meta-llama/Llama-3.1-8B and -70B config.json (rope_theta 500000, llama3 rope scaling)
@@ -197,11 +201,36 @@ def memory_note(label: str, cfg: ModelConfig, weights: float, kv: float, usable:
             f"{usable / GB:.1f} GB available")
 
 
+def draft_arch(cfg: ModelConfig) -> Arch | None:
+    """The speculation draft's architecture where `validate` knows it (None: not counted)."""
+    sp = cfg.handler.neuron.speculation
+    return ARCHITECTURES.get(sp.draft_architecture) if sp.enabled else None
+
+
 def _core_bytes(cfg: ModelConfig, arch: Arch, tp: int) -> tuple[float, float]:
+    """(weights, KV cache) per NeuronCore: the model's, plus a speculation draft's, which is
+    compiled beside it at the same tp_degree, batch and positions (in handler.dtype)."""
     h = cfg.handler
     layout = head_layout(arch, tp, h.neuron.gqa, h.batch_size)
-    return device_bytes_per_core(arch, layout, h.amp, h.batch_size, h.max_length,
-                                 *quantized_bytes(cfg))
+    weights, kv = device_bytes_per_core(arch, layout, h.amp, h.batch_size, h.max_length,
+                                        *quantized_bytes(cfg))
+    draft = draft_arch(cfg)
+    if draft is not None:
+        d = device_bytes_per_core(draft, head_layout(draft, tp, h.neuron.gqa, h.batch_size),
+                                  h.amp, h.batch_size, h.max_length)
+        weights, kv = weights + d[0], kv + d[1]
+    return weights, kv
+
+
+def speculation_note(cfg: ModelConfig) -> str | None:
+    sp = cfg.handler.neuron.speculation
+    if not sp.enabled:
+        return None
+    if draft_arch(cfg) is None:
+        return ("speculation: the draft model's memory is not counted; set handler.neuron."
+                "speculation.draft_architecture (one of " + ", ".join(ARCHITECTURES) + ")")
+    return (f"speculation: the figures include the draft {sp.draft_architecture} and its KV "
+            f"cache, {sp.length} draft tokens a step")
 
 
 def check_device_memory(cfg: ModelConfig, arch: Arch, label: str,
@@ -311,6 +340,8 @@ def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
                                    f"max_position_embeddings {arch.max_positions}")
         report.problems += check_device_memory(cfg, arch, label, instance)
         report.notes.append(memory_note(label, cfg, *_core_bytes(cfg, arch, n.tp_degree), usable))
+        if (note := speculation_note(cfg)) is not None:
+            report.notes.append(note)
     if not instance:
         report.notes.append("no --instance: cores and host memory not checked")
         return report
@@ -363,6 +394,12 @@ def validate_nxdi(cfg: ModelConfig, arch: Arch | None, instance: str | None,
     report.warnings += nx.head_warnings(heads)
     weights, kv = nx.device_bytes_per_core(arch, heads, h.amp, h.batch_size, h.max_length,
                                            *quantized_bytes(cfg))
+    if (draft := draft_arch(cfg)) is not None:  # compiled into the same model (fused)
+        d = nx.device_bytes_per_core(draft, nx.nxdi_heads(draft, n.tp_degree), h.amp,
+                                     h.batch_size, h.max_length)
+        weights, kv = weights + d[0], kv + d[1]
+    if (note := speculation_note(cfg)) is not None:
+        report.notes.append(note)
     usable = nx.CORE_MEMORY * (1 - nx.HEADROOM)
     w, k = precision_label(cfg)
     report.notes.append(memory_note(label, cfg, weights, kv, usable))

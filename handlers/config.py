@@ -97,6 +97,28 @@ class QuantizationSettings:
 
 
 @dataclass(frozen=True)
+class SpeculationSettings:
+    """Speculative decoding with a draft model on both Neuron backends
+    (`handler.neuron.speculation`): the draft proposes `length` tokens, the target checks
+    them in one step and keeps the longest agreeing run plus a token of its own, so a step
+    yields 1 to length + 1 tokens for about the price of one. Both SDKs run it fused (draft
+    and target in one compiled graph) with sampling on the device: transformers-neuronx's
+    FusedSpeculativeDecoder, NxD Inference's enable_fused_speculation. docs/inferentia2.md
+    says when it helps (latency at low batch) and when it hurts."""
+
+    draft_checkpoint: str = _opt("", doc="the draft model's checkpoint directory, relative to "
+                                         "the model dir (packaged with --draft-checkpoint); "
+                                         "'' = no speculation")
+    length: int = _opt(4, lo=1, hi=16, doc="draft tokens proposed per step (k)")
+    draft_architecture: str = _opt("", doc="known architecture of the draft (e.g. llama-3.2-1b) "
+                                           "for `validate` without its checkpoint")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.draft_checkpoint)
+
+
+@dataclass(frozen=True)
 class NeuronSettings:
     """Settings of both Neuron backends (transformers-neuronx: backend neuron; NxD Inference:
     backend nxdi, whose own settings are `handler.nxdi`); only read by those backends."""
@@ -125,6 +147,7 @@ class NeuronSettings:
                                                "refused (continuous batching only)")
     global_top_k: int = _opt(256, lo=1, doc="on-device sampling draws from this many best "
                                             "tokens; a request's top_k above it is refused")
+    speculation: SpeculationSettings = field(default_factory=SpeculationSettings)
 
 
 @dataclass(frozen=True)
@@ -450,9 +473,24 @@ def _check_chat_template_name(setting: str) -> None:
 
 
 def _check_neuron_features(h: HandlerConfig) -> None:
-    """What each SDK refuses of quantization and on-device sampling, named by our keys."""
+    """What each SDK refuses of quantization, on-device sampling and speculation, named by
+    our keys."""
     q, n = h.neuron.quantization, h.neuron
     key = "handler.neuron.quantization"
+    sp = n.speculation
+    if sp.enabled:
+        if not n.on_device_sampling:
+            # transformers-neuronx: FusedSpeculativeDecoder asserts on_device_generation
+            # (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/
+            # fused_speculation.py:L281-L325); NxD Inference asserts on-device sampling
+            raise ConfigError("handler.neuron.speculation: needs handler.neuron."
+                              "on_device_sampling: true (both SDKs verify and sample the "
+                              "draft's tokens on the device)")
+        if h.batching != "continuous":
+            raise ConfigError("handler.neuron.speculation: needs handler.batching 'continuous'")
+        if sp.length + 1 >= h.max_length:
+            raise ConfigError(f"handler.neuron.speculation.length: {sp.length} leaves no room "
+                              f"in handler.max_length {h.max_length}")
     if h.backend == "neuron":
         if q.weights and q.method == "per_tensor":
             # transformers-neuronx: quantize_method in ['vector_dynamic', 'direct_cast']

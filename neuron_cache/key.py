@@ -234,24 +234,43 @@ def nxdi_features(config: HandlerConfig) -> dict[str, Any]:
     return out
 
 
+def speculation_spec(config: HandlerConfig, draft_model_config: dict[str, Any] | None
+                     ) -> dict[str, Any]:
+    """handler.neuron.speculation as key data: the draft model's graph settings and k
+    (the draft is compiled with the target: its config changes the graphs). Empty when
+    speculation is off, so no other key changes."""
+    sp = config.neuron.speculation
+    if not sp.draft_checkpoint:
+        return {}
+    if draft_model_config is None:
+        raise ValueError("handler.neuron.speculation is set: the key needs the draft "
+                         "checkpoint's config.json (draft_model_config)")
+    return {"speculation": {"length": sp.length,
+                            "draft_model_config": graph_config(draft_model_config)}}
+
+
 def key_inputs(config: HandlerConfig, model_config: dict[str, Any],
-               sdk: dict[str, str] | None = None) -> KeyInputs:
-    """The key of the model `config` describes, for a checkpoint with `model_config`."""
+               sdk: dict[str, str] | None = None,
+               draft_model_config: dict[str, Any] | None = None) -> KeyInputs:
+    """The key of the model `config` describes, for a checkpoint with `model_config` (and,
+    with speculation, a draft checkpoint with `draft_model_config`)."""
     n = config.neuron
+    speculation = speculation_spec(config, draft_model_config)
     if config.backend == "nxdi":
         return KeyInputs(
             model_config=graph_config(model_config),
             model_class=NXDI_CLASS_PREFIX + config.nxdi.model_class, tp_degree=n.tp_degree,
             amp=config.amp, batch_size=config.batch_size, n_positions=config.max_length,
             context_length_estimate=nxdi_buckets(config)[0],
-            neuron_config=nxdi_neuron_config(config),
+            neuron_config={**nxdi_neuron_config(config), **speculation},
             compiler_flags=[str(f) for f in n.compiler_flags],
             sdk=sdk_versions(NXDI_SDK_DISTRIBUTIONS) if sdk is None else dict(sdk))
     return KeyInputs(
         model_config=graph_config(model_config), model_class=n.model_class_name,
         tp_degree=n.tp_degree, amp=config.amp, batch_size=config.batch_size,
         n_positions=config.max_length, context_length_estimate=context_buckets(config),
-        neuron_config=neuron_config_spec(config), compiler_flags=[str(f) for f in n.compiler_flags],
+        neuron_config={**neuron_config_spec(config), **speculation},
+        compiler_flags=[str(f) for f in n.compiler_flags],
         sdk=sdk_versions() if sdk is None else dict(sdk),
     )
 

@@ -127,3 +127,23 @@ def test_an_entry_from_before_libneuronxla_was_keyed_is_a_build_mismatch() -> No
     old = _key(sdk={k: v for k, v in SDK.items() if k != "libneuronxla"})
     assert is_build_mismatch(BASE, old)
     assert differences(BASE, old) == {"sdk.libneuronxla": ("2.1.681.0", "absent")}
+
+
+def test_speculation_keys_the_draft_and_leaves_other_keys_alone():
+    from handlers.config import parse_config
+    from neuron_cache.key import key_inputs
+
+    base = {"backend": "neuron", "neuron": {"on_device_sampling": True}}
+    plain = parse_config({"handler": base}).handler
+    spec = parse_config({"handler": {**base, "neuron": {
+        **base["neuron"], "speculation": {"draft_checkpoint": "draft", "length": 4}}}}).handler
+    model = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}
+    draft = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1}
+    sdk = {"transformers-neuronx": "0.13"}
+    assert "speculation" not in key_inputs(plain, model, sdk).neuron_config
+    a = key_inputs(spec, model, sdk, draft_model_config=draft)
+    b = key_inputs(spec, model, sdk, draft_model_config={**draft, "num_hidden_layers": 2})
+    assert a.neuron_config["speculation"]["length"] == 4 and a.digest != b.digest
+    assert a.digest != key_inputs(plain, model, sdk).digest
+    with pytest.raises(ValueError, match="draft_model_config"):
+        key_inputs(spec, model, sdk)

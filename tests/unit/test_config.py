@@ -242,3 +242,19 @@ def test_legacy_neuron_amp_never_changes_a_torch_backend():
     with pytest.warns(DeprecationWarning):
         h = parse_config({"handler": {"dtype": "float32", "neuron": {"amp": "f16"}}}).handler
     assert h.torch_dtype == "float32"
+
+
+@pytest.mark.parametrize("backend", ["neuron", "nxdi"])
+def test_speculation_needs_on_device_sampling_and_room_in_max_length(backend):
+    spec = {"draft_checkpoint": "draft", "length": 4}
+    with pytest.raises(ConfigError, match=r"handler.neuron.speculation: needs handler.neuron."
+                                          r"on_device_sampling: true"):
+        parse_config({"handler": {"backend": backend, "neuron": {"speculation": spec}}})
+    with pytest.raises(ConfigError, match=r"speculation.length: 4 leaves no room"):
+        parse_config({"handler": {"backend": backend, "max_length": 5, "max_new_tokens_limit": 2,
+                                  "defaults": {"max_new_tokens": 2},
+                                  "neuron": {"on_device_sampling": True, "speculation": spec}}})
+    h = parse_config({"handler": {"backend": backend, "neuron": {
+        "on_device_sampling": True, "speculation": spec}}}).handler
+    assert h.neuron.speculation.enabled and h.neuron.speculation.length == 4
+    assert not parse_config({"handler": {"backend": backend}}).handler.neuron.speculation.enabled

@@ -32,7 +32,8 @@ def test_the_shipped_set_covers_every_size() -> None:
     assert sizes >= {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-2-7b-chat",
                      "llama-2-13b-chat", "llama-2-70b-chat"}
     assert {_instance(p) for p in SHIPPED} == set(INSTANCES)
-    assert {p.name.rsplit("-", 1)[1] for p in SHIPPED} == {"latency.yaml", "throughput.yaml"}
+    assert {p.name.rsplit("-", 1)[1] for p in SHIPPED} == {"latency.yaml", "throughput.yaml",
+                                                           "speculation.yaml"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -42,7 +43,7 @@ def test_every_shipped_config_validates_on_its_instance(path: Path) -> None:
     arch = ARCHITECTURES[cfg.handler.neuron.architecture]
     report = validate(cfg, arch, _instance(path))
     assert report.problems == []
-    if path.name.endswith("latency.yaml"):
+    if path.name.endswith(("latency.yaml", "speculation.yaml")):
         assert cfg.handler.batch_size == 1
     else:
         assert cfg.handler.batch_size >= 4
@@ -50,7 +51,7 @@ def test_every_shipped_config_validates_on_its_instance(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", [p for p in SHIPPED if "70b" in p.parent.name
-                                  and "int8" not in p.name],
+                                  and "int8" not in p.name and "speculation" not in p.name],
                          ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_70b_ships_on_tp24_with_padding_and_replication_warned(path: Path, capsys) -> None:
     cfg = load_config(path)
@@ -308,3 +309,21 @@ def test_int8_makes_70b_and_13b_fit_instances_they_do_not_fit_in_bf16() -> None:
         arch = ARCHITECTURES[cfg.handler.neuron.architecture]
         problems = validate(cfg, arch, _instance(Path(name))).problems
         assert any("device memory" in p for p in problems), (name, problems)
+
+
+SPECULATIVE = sorted(CONFIGS.glob("llama-*/*speculation*.yaml"))
+
+
+@pytest.mark.parametrize("path", SPECULATIVE, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_speculation_configs_count_the_draft_and_fit(path: Path, capsys) -> None:
+    assert main(["validate", str(path), "--instance", _instance(path)]) == 0
+    out = capsys.readouterr().out
+    assert "speculation: the figures include the draft" in out
+    data = yaml.safe_load(path.read_text())
+    cfg = parse_config(data)
+    arch = ARCHITECTURES[cfg.handler.neuron.architecture]
+    with_draft = float(re.search(r"takes ([\d.]+) GB per NeuronCore", out).group(1))
+    del data["handler"]["neuron"]["speculation"]
+    alone = next(n for n in validate(parse_config(data), arch, None).notes
+                 if n.startswith("device memory"))
+    assert with_draft > float(re.search(r"takes ([\d.]+) GB", alone).group(1))
