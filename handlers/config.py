@@ -81,15 +81,16 @@ class QuantizationSettings:
     weights: str = _opt("", choices=("", "int8", "fp8"),
                         doc="'' = handler.dtype; int8 (s8 / int8) or fp8 (e4m3), with the "
                             "scales of `method`, computed in handler.dtype")
-    method: str = _opt("per_channel", choices=("per_channel", "per_tensor", "direct_cast"),
-                       doc="weight scales: per output channel (both backends), per tensor "
-                           "(nxdi only), or a plain cast without scales (neuron only)")
+    method: str = _opt("per_channel", choices=("per_channel", "per_tensor"),
+                       doc="weight scales: per output channel (both backends) or per tensor "
+                           "(nxdi only)")
     kv_cache: str = _opt("", choices=("", "int8", "fp8"),
                          doc="'' = handler.dtype; fp8 on both backends, int8 on neuron only "
                              "(a cast without scales)")
-    skip_modules: list[str] = _opt([], doc="kept in handler.dtype: transformers-neuronx's "
-                                           "no_quantize_list (model.layers.N), NxD Inference's "
-                                           "modules_to_not_convert (e.g. lm_head)")
+    skip_modules: list[str] = _opt([], doc="nxdi: modules kept in handler.dtype "
+                                           "(modules_to_not_convert, e.g. lm_head); neuron: "
+                                           "fp8 only, layers (model.layers.N) whose MLP is cast "
+                                           "to fp8 without scales (no_quantize_list)")
 
     @property
     def enabled(self) -> bool:
@@ -494,21 +495,29 @@ def _check_neuron_features(h: HandlerConfig) -> None:
     if h.backend == "neuron":
         if q.weights and q.method == "per_tensor":
             # transformers-neuronx: quantize_method in ['vector_dynamic', 'direct_cast']
-            # (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/config.py:L35)
+            # (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/config.py:L35);
+            # its direct_cast weights fail at load (quantize.py:L110: tensor.to('s8') reads
+            # 's8' as a device), so per_channel (vector_dynamic) is the one that works
             raise ConfigError(f"{key}.method: 'per_tensor' is not a transformers-neuronx "
-                              "method; choose 'per_channel' (vector_dynamic) or 'direct_cast', "
-                              "or use backend nxdi")
+                              "method; choose 'per_channel' (vector_dynamic), or use backend "
+                              "nxdi")
+        if any("self_attn" in m for m in q.skip_modules):
+            # decoder.py:L1591-L1593
+            raise ConfigError(f"{key}.skip_modules: transformers-neuronx refuses 'self_attn' "
+                              "(\"self attn quantization not allowed for this model\"); "
+                              "remove it")
+        if q.skip_modules and q.weights != "fp8":
+            # int8 ignores no_quantize_list: only fp8 reads it, as a unit scale
+            # (quantize.py:L87-L101)
+            raise ConfigError(f"{key}.skip_modules: {list(q.skip_modules)} would change nothing "
+                              "with int8 weights on transformers-neuronx (every layer is "
+                              "quantized; only fp8 reads it); remove it, use weights: fp8, or "
+                              "backend nxdi (modules_to_not_convert)")
         if n.on_device_sampling and h.batching != "continuous":
             raise ConfigError("handler.neuron.on_device_sampling: needs handler.batching "
                               "'continuous'; micro batching samples through the SDK's sample(), "
                               "which ignores per-request parameters on the device")
     else:
-        if q.weights and q.method == "direct_cast":
-            # NxD Inference quantizes Llama per tensor or per channel only
-            # (aws-neuron/neuronx-distributed-inference@cd3abf3:src/neuronx_distributed_inference/
-            # models/application_base.py:L774-L788)
-            raise ConfigError(f"{key}.method: 'direct_cast' is not an NxD Inference method; "
-                              "choose 'per_channel' or 'per_tensor', or use backend neuron")
         if q.kv_cache == "int8":
             # its KV-cache quantization is fp8 (models/config.py:L299-L304 with
             # neuronx-distributed's KVQuantizationConfig)

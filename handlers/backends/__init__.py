@@ -19,10 +19,9 @@ def capabilities_for(config: HandlerConfig) -> Capabilities:
     """What the configured backend will honour (its `capabilities` once loaded), without
     loading it: for packaging checks and tests. Each backend module declares its own."""
     if config.backend == "neuron":
-        from handlers.backends import neuron_backend as m
+        from handlers.backends.neuron_backend import capabilities
 
-        runner = m._ContinuousRunner if config.batching == "continuous" else m._MicroRunner
-        return runner.CAPABILITIES
+        return capabilities(config)
     if config.backend == "nxdi":
         from handlers.backends.nxdi_backend import capabilities
 

@@ -7,7 +7,9 @@ SDK -> from_pretrained -> compile, or load from the versioned compile cache.
 Two runners, picked by handler.batching:
 - continuous: NeuronConfig(continuous_batching=...) with one KV-cache row per slot;
   `forward(input_ids, cache_ids, start_ids=seq_ids)` per prefill/decode and host-side
-  sampling with each request's own parameters (handlers.backends.sampling.RowSampler).
+  sampling with each request's own parameters (handlers.backends.sampling.RowSampler),
+  or, with handler.neuron.on_device_sampling, the device's sampler with each slot's
+  top-k/top-p/temperature, forward() then returning token ids.
 - micro: the SDK's own `sample(..., streamer=)` on the compiled batch, run in a
   thread; the streamer hands each [batch, 1] step to a queue that `decode` drains.
   One parameter set per call, so micro-batches hold requests that sample alike.
@@ -34,13 +36,13 @@ from handlers.backends.base import (
     import_sdk_class,
     read_eos_ids,
 )
-from handlers.backends.capabilities import sampling_group
+from handlers.backends.capabilities import check_sampling, sampling_group
 from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
 from neuron_cache.compile import compile_or_load
-from neuron_cache.key import context_buckets, key_inputs, read_model_config
+from neuron_cache.key import context_buckets, key_inputs, neuron_config_spec, read_model_config
 from neuron_cache.store import CacheStore
 
 log = logging.getLogger(__name__)
@@ -76,16 +78,91 @@ def check_keywords(fn: Any, names: Sequence[str], what: str) -> None:
                           "transformers-neuronx that do (0.13.x, Neuron SDK 2.21+)")
 
 
-def build_neuron_config(spec: dict[str, Any], compilation_worker_count: int = 0) -> Any:
+#: (top_k, top_p, temperature) of a greedy request on the device: only the best token
+#: survives top-k 1 (layers/generation.py:L153-L176), as vLLM maps temperature 0
+GREEDY_ROW = (1, 1.0, 1.0)
+QUANT_KEY = "handler.neuron.quantization"
+
+
+def on_device_capabilities(global_top_k: int) -> Capabilities:
+    """The device's sampler takes per slot only top-k (after a global top-k), top-p and
+    temperature, draws from its own RNG, which has no seed input, and returns token ids,
+    not logits (layers/generation.py:L17-L199, hlo.py:L2422-L2456; base.py:L712-L713)."""
+    why = ("handler.neuron.on_device_sampling samples on the device, which takes only top_k, "
+           "top_p and temperature per request and returns token ids; turn it off to sample "
+           "on the host")
+    unsupported = {f: why for f in ("seed", "min_new_tokens", "repetition_penalty",
+                                    "frequency_penalty", "presence_penalty", "logprobs",
+                                    "prompt_logprobs")}
+    return Capabilities(unsupported, max_top_k=global_top_k,
+                        max_top_k_setting="handler.neuron.global_top_k, the most the on-device "
+                        "sampler considers")
+
+
+def capabilities(config: HandlerConfig) -> Capabilities:
+    """What a NeuronBackend of `config` honours (handlers.backends.capabilities_for)."""
+    if config.batching != "continuous":
+        return _MicroRunner.CAPABILITIES
+    if config.neuron.on_device_sampling:
+        return on_device_capabilities(config.neuron.global_top_k)
+    return _ContinuousRunner.CAPABILITIES
+
+
+def device_sampling_row(p: SamplingParams, caps: Capabilities, global_top_k: int
+                        ) -> tuple[int, float, float]:
+    """(top_k, top_p, temperature) of a request for the on-device sampler, checked against
+    `caps` again (the engine is public). top_k 0 ("off") is every token the global top-k
+    keeps."""
+    check_sampling(p, caps)
+    if p.greedy:
+        return GREEDY_ROW
+    return (int(p.top_k or global_top_k), float(p.top_p), float(p.temperature))
+
+
+def generation_config(flags: dict[str, Any], rows: Sequence[tuple[int, float, float]]) -> Any:
+    """GenerationConfig with one (top_k, top_p, temperature) per compiled batch line: under
+    per_batch_line each list must be batch_size long (decoder.py:L1074-L1099), and a line's
+    parameters are read by its seq id, i.e. its slot (layers/generation.py:L107-L113)."""
+    from transformers_neuronx.config import GenerationConfig
+
+    return GenerationConfig(**flags, top_k=[r[0] for r in rows], top_p=[r[1] for r in rows],
+                            temperature=[r[2] for r in rows])
+
+
+def _quant_configs(spec: dict[str, Any]) -> dict[str, Any]:
+    """QuantizationConfig / KVCacheQuantizationConfig keywords, refusing what transformers-
+    neuronx would fail on or ignore (aws-neuron/transformers-neuronx@1ade6d7:
+    src/transformers_neuronx/), named by our keys."""
+    out: dict[str, Any] = {}
+    if not (spec.get("quant") or spec.get("kv_cache_quant")):
+        return out
+    try:
+        from transformers_neuronx.config import KVCacheQuantizationConfig, QuantizationConfig
+    except ImportError as exc:
+        raise ConfigError(f"{QUANT_KEY}: this transformers-neuronx has no "
+                          f"QuantizationConfig/KVCacheQuantizationConfig ({exc}); use 0.13.x "
+                          "(Neuron SDK 2.21+)") from exc
+    if q := spec.get("quant"):  # what the SDK would fail on, handlers/config.py refused
+        out["quant"] = QuantizationConfig(**q)
+    if kv := spec.get("kv_cache_quant"):
+        out["kv_cache_quant"] = KVCacheQuantizationConfig(**kv)
+    return out
+
+
+def build_neuron_config(spec: dict[str, Any], batch_size: int,
+                        compilation_worker_count: int = 0) -> Any:
     """Our plain-data spec (neuron_cache.key.neuron_config_spec) as SDK objects.
 
     compilation_worker_count is not in the spec (it changes no graph): 0 leaves the
-    SDK's default, every graph compiled at once.
+    SDK's default, every graph compiled at once. batch_size sizes on-device sampling's
+    per-line parameter lists; every line starts greedy.
     """
     from transformers_neuronx.config import ContinuousBatchingConfig, NeuronConfig
     from transformers_neuronx.constants import GQA
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = _quant_configs(spec)
+    if flags := spec.get("on_device_generation"):
+        kwargs["on_device_generation"] = generation_config(flags, [GREEDY_ROW] * batch_size)
     if spec.get("continuous_batching"):
         # keyword-only in 0.13 (config.py:L78-L79), which reads it as max_num_seqs; older
         # releases take the same name positionally
@@ -125,6 +202,7 @@ class NeuronBackend(Backend):
                       "n_positions": config.max_length,
                       "context_length_estimate": context_buckets(config),
                       "neuron_config": build_neuron_config(inputs.neuron_config,
+                                                           config.batch_size,
                                                            n.compilation_worker_count)}
             # from_pretrained hands these to the class (module.py:L424-L426)
             check_keywords(model_cls, list(kwargs), f"handler.neuron.model_class_name "
@@ -137,7 +215,7 @@ class NeuronBackend(Backend):
             raise
         eos = min(self.eos_token_ids) if self.eos_token_ids else 0
         self._runner = runner_cls(self.model, config, context_buckets(config), eos)
-        self.capabilities = runner_cls.CAPABILITIES
+        self.capabilities = capabilities(config)
 
     def _prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                  params: Sequence[SamplingParams]) -> list[int]:
@@ -155,9 +233,10 @@ class NeuronBackend(Backend):
         self._runner.release(list(slots))
 
     def token_logprobs(self, slot: int) -> TokenLogprob | None:
-        """Continuous batching samples on the host (micro batching refuses logprobs)."""
+        """Continuous batching with host sampling only (micro batching and on-device sampling
+        refuse logprobs)."""
         row = self._runner.rows.get(slot)
-        return row.sampler.last if isinstance(row, _Row) else None
+        return row.sampler.last if isinstance(row, _Row) and row.sampler is not None else None
 
     def warmup(self) -> None:
         """Touch every prefill bucket once, then one decode step."""
@@ -197,7 +276,7 @@ class _Row:
 
     length: int  # tokens in its KV-cache line (prompt + generated)
     last: int  # the last generated token: the next decode's input
-    sampler: Any  # handlers.backends.sampling.RowSampler
+    sampler: Any  # handlers.backends.sampling.RowSampler; None when the device samples
 
 
 class _ContinuousRunner:
@@ -209,6 +288,12 @@ class _ContinuousRunner:
     the device (decoder.py:L2197; compiler.py:L396-L397 with the executor). Every call runs
     under inference_mode: the embedding runs on CPU with trainable parameters
     (llama/model.py:L280-L282).
+
+    On-device sampling: forward() returns token ids [n, 1] (base.py:L712-L713), each line
+    sampled with the parameters at its seq id, i.e. its slot (layers/generation.py:
+    L107-L113). `slot_params` mirrors what the device holds; a prefill whose parameters
+    differ from its slot's writes the lists again (update_generation_config,
+    decoder.py:L1107-L1114), as vLLM does when its batch changes.
     """
 
     CAPABILITIES = Capabilities.lacking(
@@ -226,6 +311,20 @@ class _ContinuousRunner:
         self.model, self.buckets, self.eos = model, buckets, eos
         self.max_length = config.max_length
         self.rows: dict[int, _Row] = {}
+        self.on_device = config.neuron.on_device_sampling
+        self.global_top_k = config.neuron.global_top_k
+        self.caps = capabilities(config)
+        # as build_neuron_config compiled them: every line greedy
+        self.slot_params = [GREEDY_ROW] * config.batch_size
+        self._flags = neuron_config_spec(config).get("on_device_generation")
+
+    def _set_slot_params(self, slot: int, p: SamplingParams) -> None:
+        row = device_sampling_row(p, self.caps, self.global_top_k)
+        if self.slot_params[slot] != row:
+            rows = list(self.slot_params)
+            rows[slot] = row
+            self.model.update_generation_config(generation_config(self._flags, rows))
+            self.slot_params = rows  # only once the device holds them
 
     def prefill(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
                 eos_ids: frozenset[int]) -> list[int]:
@@ -240,12 +339,17 @@ class _ContinuousRunner:
                                    f"bucket {self.buckets[-1]} (handler.neuron."
                                    "context_length_estimate)")
             tokens, positions = prefill_inputs(prompt)
-            sampler = RowSampler(p, eos_ids, torch.device("cpu"), prompt)
+            sampler = None
+            if self.on_device:
+                self._set_slot_params(slot, p)
+            else:
+                sampler = RowSampler(p, eos_ids, torch.device("cpu"), prompt)
             with torch.inference_mode():  # logits are inference tensors: sample inside
                 logits = self.model.forward(torch.tensor([tokens], dtype=torch.int64),  # [1, L]
                                             torch.tensor([positions], dtype=torch.int64),
                                             torch.tensor([slot], dtype=torch.int64))
-                token = sampler(logits[0])  # logits: [1, vocab]
+                # logits: [1, vocab]; or the device's token ids, [1, 1]
+                token = int(logits[0, 0]) if sampler is None else sampler(logits[0])
             self.rows[slot] = _Row(len(prompt), token, sampler)
             out.append(token)
         return out
@@ -260,8 +364,10 @@ class _ContinuousRunner:
         cache_ids = torch.tensor([[r.length] for r in rows], dtype=torch.int64)  # [n, 1]
         with torch.inference_mode():
             logits = self.model.forward(ids, cache_ids, torch.tensor(slots, dtype=torch.int64))
-            # logits: [n, vocab] in slot order; every row in one batched pass (sampling.py)
-            out = sample_rows(logits, [r.sampler for r in rows])
+            if self.on_device:  # token ids [n, 1] in slot order (base.py:L627-L639)
+                out = [int(t) for t in logits[:, 0]]
+            else:  # logits: [n, vocab] in slot order; every row in one batched pass
+                out = sample_rows(logits, [r.sampler for r in rows])
         for row, token in zip(rows, out, strict=True):
             row.length, row.last = row.length + 1, token
         return out

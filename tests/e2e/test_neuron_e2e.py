@@ -5,7 +5,8 @@ with the real checkpoint on CPU and logs every compile/load to an events file).
 Checks: streamed text equals the torch backend's; a 1-token prompt joining a running
 request leaves its text unchanged; a restart on the same archive compiles nothing and
 loads from the archive's compile cache; two workers started together compile once and
-run on disjoint NEURON_RT_VISIBLE_CORES.
+run on disjoint NEURON_RT_VISIBLE_CORES; int8 weights with on-device sampling stream the
+int8 model's greedy text and refuse what the device cannot do.
 """
 
 from __future__ import annotations
@@ -69,13 +70,28 @@ def _generate(server, model: str) -> list[str]:
     return out
 
 
-def _transformers_text(checkpoint: Path, prompt: str) -> str:
-    """Greedy text by plain transformers: what the handler streams (deltas join to decode())."""
+def _int8(weight):
+    """Per-output-channel absmax int8, dequantized (transformers-neuronx@1ade6d7:
+    src/transformers_neuronx/quantize.py:L71-L86)."""
+    import torch
+
+    scale = weight.abs().amax(dim=1, keepdim=True) / 127
+    return torch.clamp(torch.round(weight / scale), -128, 127) * scale
+
+
+def _transformers_text(checkpoint: Path, prompt: str, int8: bool = False) -> str:
+    """Greedy text by plain transformers: what the handler streams (deltas join to decode());
+    int8: with every layer's attention and MLP weights rounded as transformers-neuronx does."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint))
     model = LlamaForCausalLM.from_pretrained(str(checkpoint)).eval()
+    for layer in model.model.layers if int8 else []:
+        a, m = layer.self_attn, layer.mlp
+        for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
+                     m.down_proj):
+            proj.weight.data = _int8(proj.weight.data.float())
     ids = list(tok(prompt)["input_ids"])
     new: list[int] = []
     with torch.no_grad():
@@ -230,3 +246,39 @@ def test_micro_batches_honour_each_requests_sampling(tiny_checkpoint, tmp_path_f
         except AssertionError:
             print(logs(server.run_dir))
             raise
+
+
+def test_int8_weights_with_on_device_sampling(tiny_checkpoint, tmp_path_factory) -> None:
+    """handler.neuron.quantization.weights int8 and on_device_sampling: a greedy request
+    streams the int8 model's greedy text (token ids from the device), a sampled one within
+    global_top_k answers, and a seed is a 400 naming the field in both APIs."""
+    import httpx
+
+    root = tmp_path_factory.mktemp("neuron-e2e-int8")
+    spec = _neuron_spec("tiny-neuron-int8", root)
+    spec.handler["neuron"].update(quantization={"weights": "int8"}, on_device_sampling=True,
+                                  global_top_k=64)
+    store = build_store(root, tiny_checkpoint, [spec])
+    with running_server(store, root / "run", [spec.name], env=_env(root)) as server:
+        try:
+            greedy = post(server, spec.name, {"prompt": PROMPTS[0],
+                                              "max_new_tokens": NEW_TOKENS, "temperature": 0.0})
+            assert greedy.status == 200, greedy.body
+            assert len(greedy.chunks) >= 2  # streamed
+            assert greedy.text == _transformers_text(tiny_checkpoint, PROMPTS[0], int8=True)
+            hot = post(server, spec.name, {"prompt": PROMPTS[1], "max_new_tokens": 8,
+                                           "temperature": 0.8, "top_k": 20})
+            assert hot.status == 200, hot.body
+            refused = post(server, spec.name, {"prompt": "hi", "temperature": 0.8, "seed": 3})
+            assert refused.status == 400
+            error = json.loads(refused.text)["error"]
+            assert error["field"] == "seed"
+            assert "handler.neuron.on_device_sampling" in error["message"]
+            url = f"{server.inference_url}/predictions/{spec.name}/1.0/v1/completions"
+            r = httpx.post(url, json={"prompt": "hi", "temperature": 0.8, "seed": 3}, timeout=60,
+                           headers={"Authorization": f"Bearer {server.inference_token}"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+        except AssertionError:
+            print(logs(server.run_dir))
+            raise
+    assert [e["event"] for e in _events(root, 1)] == ["compile"]

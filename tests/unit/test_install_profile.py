@@ -129,8 +129,16 @@ def test_the_tested_pins_would_replace_the_sdk(sdk_env) -> None:
 
 def test_a_neuron_archive_requirements_install_nothing(tiny_checkpoint: Path,
                                                        tmp_path: Path) -> None:
-    target = package(NEURON_CONFIG, tiny_checkpoint, "llama-neuron", "no-archive",
-                     tmp_path / "store")
+    import yaml
+
+    # a shipped Inf2 config on the tiny checkpoint: within its 512 positions, as package
+    # now refuses max_length above max_position_embeddings
+    data = yaml.safe_load(NEURON_CONFIG.read_text())
+    data["handler"].update(max_length=512, max_new_tokens_limit=256)
+    data["handler"]["neuron"]["context_length_estimate"] = [128, 512]
+    config = tmp_path / "neuron.yaml"
+    config.write_text(yaml.safe_dump(data))
+    target = package(config, tiny_checkpoint, "llama-neuron", "no-archive", tmp_path / "store")
     text = (target / "requirements.txt").read_text()
     assert [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")] == []
     # what TorchServe runs with TS_INSTALL_PY_DEP_PER_MODEL=true (offline here)

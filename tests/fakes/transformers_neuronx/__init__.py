@@ -8,10 +8,16 @@ aws-neuron/transformers-neuronx@1ade6d7. See _runtime.py for the test hooks
 (compile/load event log, simulated NeuronCores).
 """
 
-from transformers_neuronx.config import ContinuousBatchingConfig, GenerationConfig, NeuronConfig
+# the real top level has QuantizationConfig but not KVCacheQuantizationConfig (__init__.py:L19)
+from transformers_neuronx.config import (
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    NeuronConfig,
+    QuantizationConfig,
+)
 from transformers_neuronx.constants import GQA, Layout
 from transformers_neuronx.llama.model import LlamaForSampling
 from transformers_neuronx.version import __version__
 
 __all__ = ["GQA", "ContinuousBatchingConfig", "GenerationConfig", "Layout", "LlamaForSampling",
-           "NeuronConfig", "__version__"]
+           "NeuronConfig", "QuantizationConfig", "__version__"]

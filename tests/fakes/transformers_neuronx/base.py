@@ -92,6 +92,7 @@ class NeuronModelBase:
     def to_neuron(self):
         cores = _runtime.reserve_cores(self.tp_degree)  # ops.init() (base.py:L80)
         hf = self._build_hf(self._weights)  # load_weights(): every weight must exist (L84)
+        self._build_graphs()  # the HLO is built to name the NEFFs, for a load too
         expected = self._graphs()
         workers = self.neuron_config.compilation_worker_count
         fields = {"visible_cores": cores, "tp_degree": self.tp_degree,
@@ -126,7 +127,18 @@ class NeuronModelBase:
         hf = LlamaForCausalLM(config)
         names = list(hf.state_dict())
         hf.load_state_dict(weights.materialize(names), strict=True)
+        self._quantize_weights(hf)  # from the checkpoint's values, before amp (decoder.py:L1581)
         return hf.to(self.dtype).eval()
+
+    def _quantize_weights(self, hf) -> None:
+        """Subclasses: the layers' weights as the device holds them (none here)."""
+
+    def _build_graphs(self) -> None:
+        """Subclasses: the checks of building the HLO (none here)."""
+
+    def _device_tokens(self, logits: list[torch.Tensor], lines: list[int]) -> torch.Tensor:
+        """Subclasses: on-device generation's token ids for each row's logits."""
+        raise NotImplementedError
 
     # --- execution -----------------------------------------------------------------------
     def _ready(self) -> None:
@@ -208,20 +220,28 @@ class NeuronModelBase:
                 raise IndexError(f"seq_id {row} is not a compiled row (0..{plan.rows - 1})")
             for token, pos in zip(tokens, positions, strict=True):  # layers/attention.py:L276-L330
                 kv[row][pos] = token
-        out = []
+        out, lines = [], []
         for i, row in enumerate(plan.logits_of):
             if plan.kind == "context":  # causal by index, own tokens only (hlo.py:L3140-L3148)
                 end = plan.ends[i]
                 tokens, positions = plan.tokens[i][:end], plan.positions[i][:end]
+                cached, line = 0, plan.row_ids[i]  # context K/V is fresh, not read back
             else:  # prior positions below the cache id, plus the active token (hlo.py:L3590-L3597)
                 start, end = plan.starts[row], plan.ends[row]
                 tokens, positions = kv[row][start:end], list(range(end - start))
-            out.append(self._logits(tokens, positions))
+                # what this call wrote is fresh; the rest is read from the cache
+                cached, line = max(0, len(tokens) - len(plan.tokens[row])), row
+            out.append(self._logits(tokens, positions, cached))
+            lines.append(line)  # the seq id (continuous batching) or batch line of the row
+        if self.neuron_config.on_device_generation:  # token ids, not logits (base.py:L712-L713)
+            return self._device_tokens(out, lines)
         return torch.stack(out)
 
     @torch.no_grad()
-    def _logits(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits after the last of `tokens` (causal by index, rotary at `positions`)."""
+    def _logits(self, tokens: list[int], positions: list[int], cached: int = 0) -> torch.Tensor:
+        """Logits after the last of `tokens` (causal by index, rotary at `positions`); the
+        first `cached` positions' K/V are read back from the KV cache."""
+        self._cached = cached  # read by the KV-cache hooks of a quantized cache (llama/model.py)
         out = self._hf(input_ids=torch.tensor([tokens], dtype=torch.long),
                        position_ids=torch.tensor([positions], dtype=torch.long), use_cache=False)
         return out.logits[0, -1, : self.config.vocab_size].float()  # base.py:L719

@@ -41,16 +41,108 @@ class ContinuousBatchingConfig:
         return bool(self.block_size and self.max_model_len and self.block_size < self.max_model_len)
 
 
+class QuantizationConfig:
+    """Weight quantization (config.py:L29-L55); dequant_dtype is not checked there."""
+
+    def __init__(self, quant_dtype="s8", dequant_dtype="f16", quantize_method="vector_dynamic",
+                 quantize_attn=True, no_quantize_list=[]):  # noqa: B006 (the real default)
+        quant_dtypes, methods = ["s8", "f8e4m3fn"], ["vector_dynamic", "direct_cast"]
+        self.quant_dtype = quant_dtype
+        if self.quant_dtype not in quant_dtypes:  # config.py:L38-L40 (the line break's spaces too)
+            raise NotImplementedError(f"{self.quant_dtype} is not implemented. {_GAP}Available "
+                                      f"options are {','.join(quant_dtypes)}")
+        self.dequant_dtype = dequant_dtype
+        self.quantize_method = quantize_method
+        if self.quantize_method not in methods:  # config.py:L46-L48
+            raise NotImplementedError(f"{self.quantize_method} is not implemented. {_GAP}"
+                                      f"Available options are {','.join(methods)}")
+        self.quantize_attn = quantize_attn
+        self.no_quantize_list = no_quantize_list
+
+    def is_unit_scale(self, layer_num) -> bool:  # config.py:L54-L55
+        return f"model.layers.{layer_num}" in self.no_quantize_list
+
+
+class KVCacheQuantizationConfig:
+    """KV-cache quantization, a cast without scales (config.py:L57-L71)."""
+
+    def __init__(self, quant_dtype="s8", dequant_dtype="bf16", quantize_method="direct_cast"):
+        quant_dtypes, methods = ["s8", "f16", "bf16", "f8e4m3fn"], ["direct_cast"]
+        self.quant_dtype = quant_dtype
+        if self.quant_dtype not in quant_dtypes:  # config.py:L64-L66
+            raise NotImplementedError(f"{self.quant_dtype} is not implemented. Available options "
+                                      f"are {','.join(quant_dtypes)}")
+        self.dequant_dtype = dequant_dtype
+        self.quantize_method = quantize_method
+        if self.quantize_method not in methods:  # config.py:L69-L71
+            raise NotImplementedError(f"{self.quantize_method} is not implemented.  Available "
+                                      f"options are {','.join(methods)}")
+
+
+#: the indentation a backslash line continuation leaves inside the real message (config.py:L39)
+_GAP = " " * 38
+
+
 class GenerationConfig:
-    """On-device sampling settings (config.py:L108-L131); the fake does not run them."""
+    """On-device sampling settings (config.py:L106-L139). Validated against the batch size
+    when the model compiles or updates them (validate_generation_configs, below)."""
 
     def __init__(self, *, max_length=None, do_sample=False, top_k=50, top_p=1.0,
                  top_p_min_tokens=1, global_top_k=None, eos_token_id=None, temperature=1.0,
                  dynamic=False, deterministic=False, per_batch_line=False):
         self.max_length, self.do_sample, self.per_batch_line = max_length, do_sample, per_batch_line
-        self.top_k, self.top_p, self.temperature = top_k, top_p, temperature
+        self.top_k = top_k  # stored as given (config.py:L124)
+        # floats, or lists of floats (config.py:L125-L126, L138-L139)
+        self.top_p = [float(p) for p in top_p] if isinstance(top_p, list) else float(top_p)
+        self.temperature = ([float(t) for t in temperature] if isinstance(temperature, list)
+                            else float(temperature))
         self.top_p_min_tokens, self.global_top_k = top_p_min_tokens, global_top_k
         self.eos_token_id, self.dynamic, self.deterministic = eos_token_id, dynamic, deterministic
+
+    def __eq__(self, value: object) -> bool:  # config.py:L133-L136 (so: unhashable)
+        if not isinstance(value, GenerationConfig):
+            return False
+        return self.__dict__ == value.__dict__
+
+    def spec(self) -> dict:
+        """What the graph bakes in: the values too unless dynamic (generation.py:L32-L45,
+        decoder.py:L368-L379)."""
+        out = {"do_sample": self.do_sample, "dynamic": self.dynamic,
+               "per_batch_line": self.per_batch_line, "global_top_k": self.global_top_k,
+               "deterministic": self.deterministic}
+        if not self.dynamic:
+            out.update(top_k=self.top_k, top_p=self.top_p, temperature=self.temperature,
+                       top_p_min_tokens=self.top_p_min_tokens)
+        return out
+
+
+def validate_generation_configs(new: GenerationConfig, current: GenerationConfig | None,
+                                batch_size) -> None:
+    """DecoderLmHead.validate_generation_configs (decoder.py:L1065-L1105): scalars broadcast to
+    the batch under per_batch_line, lists refused without it; mutates `new` as the real one."""
+    if current:  # decoder.py:L1067-L1070 (its message keeps the continuation lines' indent)
+        gap = "\n" + " " * 13
+        assert new.per_batch_line == current.per_batch_line, (
+            f"Invalid new generation config. {gap}Recieved new generation config with "
+            f"per_batch_line = {new.per_batch_line},{gap}while current generation config has "
+            f"per_batch_line = {current.per_batch_line}")
+    batch_size = batch_size if isinstance(batch_size, int) else batch_size[0]  # L1072
+    names = ("top_k", "top_p", "temperature", "top_p_min_tokens")
+    if new.per_batch_line:  # decoder.py:L1074-L1099
+        for name in names:
+            if not isinstance(getattr(new, name), list):
+                setattr(new, name, [getattr(new, name)] * batch_size)
+        k, p, t, m = (len(getattr(new, n)) for n in names)
+        gap = " " * 19
+        assert k == p == t == m == batch_size, (
+            f"For per batch-line sampling, sampling parameters top_k, top_p, {gap}"
+            f"top_p_min_tokens, temperature must be of same size as bach_size. \n {gap}"
+            f"Recieved len(top_k):  {k} \n {gap}len(top_p): {p} \n {gap}"
+            f"len(top_p_min_tokens): {m} \n {gap}len(temperature): {t} \n {gap}"
+            f"batch_size: {batch_size}")
+    else:  # decoder.py:L1100-L1105
+        assert not any(isinstance(getattr(new, n), list) for n in names), (
+            "Sampling parameters cannot be of type list when per_batch_line = False")
 
 
 class NeuronConfig:
@@ -142,6 +234,15 @@ class NeuronConfig:
         """What changes the compiled graph (names the fake's NEFF files)."""
         cb = self.continuous_batching
         gqa = self.group_query_attention
-        return {"continuous_batching": cb.max_num_seqs if cb else None,
-                "gqa": gqa.value if gqa else None, "padding_side": self.padding_side,
-                "fuse_qkv": self.fuse_qkv, "cast_logits_dtype": self.cast_logits_dtype}
+        out = {"continuous_batching": cb.max_num_seqs if cb else None,
+               "gqa": gqa.value if gqa else None, "padding_side": self.padding_side,
+               "fuse_qkv": self.fuse_qkv, "cast_logits_dtype": self.cast_logits_dtype}
+        q, kv, gen = self.quant, self.kv_cache_quant, self.on_device_generation
+        if q:  # weight dtypes and scale inputs (decoder.py:L1581-L1614); no_quantize_list only
+            # changes scale values, not the graph (quantize.py:L88-L90)
+            out["quant"] = [q.quant_dtype, q.dequant_dtype, q.quantize_method, q.quantize_attn]
+        if kv:  # the cache buffers' dtype (decoder.py:L1327-L1330) and converts (hlo.py:L1691)
+            out["kv_cache_quant"] = [kv.quant_dtype, kv.dequant_dtype, kv.quantize_method]
+        if gen:  # token ids out instead of logits (generation.py:L17-L104)
+            out["on_device_generation"] = gen.spec()
+        return out

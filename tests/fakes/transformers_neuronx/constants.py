@@ -25,3 +25,10 @@ class GQA(enum.Enum):
     SHARD_OVER_BATCH = "shard-over-batch"
     REPLICATED_HEADS = "replicated-heads"
     ALL_GATHER_HEADS = "all-gather-heads"
+
+
+class FpBounds:
+    """fp8 range the quantizer scales to (constants.py:L36-L38)."""
+
+    min = -240.0
+    max = 240.0

@@ -3,6 +3,9 @@
 Lenient where the real class is: unknown constructor keywords are swallowed, attention
 heads that tp_degree does not divide are padded, K/V heads are replicated with a
 warning. Strict where it is: see base.py (inputs, serialization) and config.py.
+Quantized weights are rounded at load as the real quantizer rounds them (held
+dequantized), a quantized KV cache is a cast of the cached positions, and on-device
+generation returns token ids sampled with each line's (seq id's) parameters.
 Features the fake does not simulate raise NotImplementedError (a fake limit, not a
 library rule). Citations are to
 aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/.
@@ -17,12 +20,13 @@ import torch
 
 from transformers_neuronx import bucket
 from transformers_neuronx.base import NeuronModelBase
-from transformers_neuronx.config import NeuronConfig
-from transformers_neuronx.constants import GQA
+from transformers_neuronx.config import NeuronConfig, validate_generation_configs
+from transformers_neuronx.constants import GQA, FpBounds
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-NOT_SIMULATED = ("sparse_attn", "quant", "kv_cache_quant", "on_device_generation",
-                 "shard_over_sequence", "output_all_logits", "log_softmax_scores",
+#: dtypes.to_torch_dtype (dtypes.py:L18-L26)
+TORCH_DTYPES = {**DTYPES, "s8": torch.int8, "f8e4m3fn": torch.float8_e4m3fn}
+NOT_SIMULATED = ("sparse_attn", "shard_over_sequence", "output_all_logits", "log_softmax_scores",
                  "is_eagle_target", "is_eagle_draft", "sequence_parallel_norm")
 
 
@@ -78,6 +82,8 @@ class LlamaForSampling(NeuronModelBase):
             raise NotImplementedError(f"fake: amp {amp!r} is not simulated")
         self.neuron_config = neuron_config if neuron_config else NeuronConfig()  # L40
         nc = self.neuron_config
+        if nc.on_device_generation:  # llama/model.py:L54-L55
+            nc.on_device_generation.vocab_size = config.vocab_size
         used = [f for f in NOT_SIMULATED if getattr(nc, f, None)]
         if used or prefixed_length or nc.use_1d_query or nc.on_device_embedding:
             raise NotImplementedError(f"fake: {used or 'this NeuronConfig'} is not simulated")
@@ -94,6 +100,10 @@ class LlamaForSampling(NeuronModelBase):
         self._weights = self._load_dir = self._neffs = self._hf = None
         self._kv: dict[int, list[list[int]]] = {}
         self.inference_modes: list[bool] = []  # test hook: inference_mode() on each forward
+        self._sampling: dict[str, list] | None = None  # the device's dynamic parameters
+        self._rng = torch.Generator()
+        self._rng.seed()  # the device draws with its own RNG, no seed input (hlo.py:L2422-L2456)
+        self.sampled: list[tuple[int, int, float, float]] = []  # test hook: (line, k, p, t)
 
     def _build_hf(self, weights):
         # the rotary theta the real library reads, even where transformers 5 keeps it only in
@@ -102,7 +112,131 @@ class LlamaForSampling(NeuronModelBase):
         if isinstance(getattr(cfg, "rope_parameters", None), dict):
             cfg.rope_parameters = {**cfg.rope_parameters, "rope_theta": self.rope_theta}
         self._checkpoint_config = cfg
-        return super()._build_hf(weights)
+        hf = super()._build_hf(weights)
+        if self.neuron_config.kv_cache_quant:
+            for layer in hf.model.layers:
+                for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.register_forward_hook(self._kv_cache_round_trip)
+        return hf
+
+    # --- quantization ----------------------------------------------------------------------
+    def _quantize_weights(self, hf) -> None:
+        """load_weights (llama/model.py:L115-L192): each layer's attention, then MLP weights,
+        quantized as DecoderLayer.to_neuron does (decoder.py:L1581-L1614, L1672-L1683), and
+        held dequantized in float32 here: the device converts them to the activations' dtype
+        and rescales after the dot (hlo.py:L323-L333, L1681-L1689)."""
+        q = self.neuron_config.quant
+        if not q:
+            return
+        for layer_id, layer in enumerate(hf.model.layers):
+            unit = q.is_unit_scale(layer_id)  # llama/model.py:L124-L128
+            attn, mlp = layer.self_attn, layer.mlp
+            if q.quantize_attn:  # q/k/v/o without is_unit_scale (decoder.py:L1591-L1614)
+                assert "self_attn" not in q.no_quantize_list, ("self attn quantization not "
+                                                               "allowed for this model")
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                    proj.weight.data = _quantized(proj.weight.data, q, False)
+            for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # extras (L1672-L1683)
+                proj.weight.data = _quantized(proj.weight.data, q, unit)
+
+    def _kv_cache_round_trip(self, module, inputs, output):
+        """K/V of cached positions went through the cache's dtype and back: Convert, no scale
+        (layers/attention.py:L232-L234, llama/hlo.py:L614-L626, hlo.py:L1691-L1701). Fake:
+        cast before the rotary embedding; the real cache holds K after it."""
+        kv = self.neuron_config.kv_cache_quant
+        if not self._cached:
+            return output
+        out = output.clone()
+        prior = out[:, : self._cached]
+        prior = prior.to(TORCH_DTYPES[kv.quant_dtype]).to(TORCH_DTYPES[kv.dequant_dtype])
+        out[:, : self._cached] = prior.to(output.dtype)
+        return out
+
+    # --- on-device generation --------------------------------------------------------------
+    def _build_graphs(self) -> None:
+        """What building the HLO checks, at compile and at load (the NEFF name is its hash)."""
+        nc = self.neuron_config
+        dequant = [nc.kv_cache_quant.dequant_dtype] if nc.kv_cache_quant else []
+        if nc.quant and nc.quant.quantize_method == "vector_dynamic":  # with scales only
+            dequant.append(nc.quant.dequant_dtype)
+        for name in dequant:  # getattr(scribe, dequant_dtype) (hlo.py:L1684, L1699); inferred:
+            if name not in TORCH_DTYPES:  # a name the scribe lacks fails building the graph
+                raise AttributeError(f"scribe has no dtype {name!r}")
+        gen = nc.on_device_generation
+        if not gen:
+            return
+        # DecoderLmHead.to_neuron validates against itself (decoder.py:L343-L346)
+        validate_generation_configs(gen, gen, self.batch_sizes)
+        if gen.dynamic or gen.do_sample:  # greedy otherwise (layers/generation.py:L19-L30)
+            if gen.global_top_k is not None:  # layers/generation.py:L47-L48, L139-L140
+                assert gen.dynamic is True, ("Dynamic on device generation must be enabled "
+                                             "when global_top_k is set.")
+            if gen.per_batch_line and nc.continuous_batching and not gen.dynamic:
+                # inferred: index_select(config.top_k, 0, seq_id) on a Python list
+                # (layers/generation.py:L107-L113, hlo.py index_select reads tensor.dtype)
+                raise AttributeError("'list' object has no attribute 'dtype'")
+        names = ("top_k", "top_p", "temperature", "top_p_min_tokens")
+        # device tensors when dynamic (decoder.py:L368-L379); baked into the graph otherwise
+        self._sampling = {n: getattr(gen, n) for n in names}
+
+    def update_generation_config(self, generation_config) -> None:
+        """base.py:L761-L762 -> decoder.py:L1107-L1114: validate, then write the dynamic
+        parameter tensors on every core."""
+        nc = self.neuron_config
+        validate_generation_configs(generation_config, nc.on_device_generation,
+                                    self.batch_sizes)
+        if not (nc.on_device_generation and nc.on_device_generation.dynamic
+                and self._sampling is not None):
+            # inferred: self.top_k exists only after to_neuron with dynamic=True
+            # (decoder.py:L368-L377), so parallel_write(self.top_k, ...) fails (L1111)
+            raise AttributeError("'DecoderLmHeadForSamplingNoEmbedding' object has no "
+                                 "attribute 'top_k'")
+        self._sampling = {"top_k": [int(k) for k in _as_list(generation_config.top_k)],
+                          "top_p": _as_list(generation_config.top_p),
+                          "temperature": _as_list(generation_config.temperature),
+                          "top_p_min_tokens": [int(m) for m in
+                                               _as_list(generation_config.top_p_min_tokens)]}
+
+    def _device_tokens(self, logits: list[torch.Tensor], lines: list[int]) -> torch.Tensor:
+        """layers/generation.py:L17-L199 on each row; token ids [rows, 1], int32 like the
+        graph's indices (decoder.py:L365)."""
+        gen = self.neuron_config.on_device_generation
+        tokens = [self._device_sample(row.float(), line, gen) for row, line in
+                  zip(logits, lines, strict=True)]
+        return torch.tensor(tokens, dtype=torch.int32).reshape(-1, 1)
+
+    def _device_sample(self, logits: torch.Tensor, line: int, gen) -> int:
+        if not gen.dynamic and not gen.do_sample:  # greedy (layers/generation.py:L19-L20)
+            return int(logits.argmax())
+        s = self._sampling
+        if gen.per_batch_line:  # each line's own, by seq id (layers/generation.py:L107-L113)
+            if not all(0 <= line < len(s[n]) for n in s):
+                raise IndexError(f"seq_id {line} has no sampling parameters (top_k holds "
+                                 f"{len(s['top_k'])}): index_select out of range on device")
+            k, p, t, m = (s[n][line] for n in ("top_k", "top_p", "temperature",
+                                               "top_p_min_tokens"))
+        else:
+            k, p, t, m = (s[n] for n in ("top_k", "top_p", "temperature", "top_p_min_tokens"))
+        self.sampled.append((line, int(k), float(p), float(t)))
+        indices = torch.arange(logits.shape[-1])
+        if gen.global_top_k is not None:  # layers/generation.py:L55-L56, L147-L148
+            logits, indices = torch.topk(logits, min(gen.global_top_k, logits.shape[-1]))
+        if int(k) == 1:  # only the best survives top-k (layers/generation.py:L153-L176)
+            return int(indices[int(logits.argmax())])
+        if t != 1.0:  # layers/generation.py:L166-L169
+            logits = logits / t
+        logits, order = torch.topk(logits, min(int(k), logits.shape[-1]))  # L172-L176
+        indices = indices[order]
+        probs = torch.softmax(logits, dim=-1)
+        if gen.dynamic or p < 1.0:  # smallest prefix reaching top_p, at least m (L179-L180)
+            keep = (torch.cumsum(probs, -1) - probs < p)
+            keep[: max(1, int(m))] = True
+            probs = torch.where(keep, probs, torch.zeros_like(probs))
+            probs = probs / probs.sum()
+        if gen.deterministic:  # a fixed 0.5 draw (hlo.py:L2422-L2456)
+            pick = int(torch.searchsorted(torch.cumsum(probs, -1), torch.tensor(0.5)))
+            return int(indices[min(pick, len(indices) - 1)])
+        return int(indices[int(torch.multinomial(probs, 1, generator=self._rng))])
 
     def forward(self, input_ids, cache_ids=None, start_ids=None, last_token_id=None,
                 input_embeddings=None, **kwargs):
@@ -119,6 +253,8 @@ class LlamaForSampling(NeuronModelBase):
                top_p=1.0, eos_token_override=None, temperature=1.0, streamer=None,
                stopping_criteria_list=None, no_repeat_ngram_size=None, **kwargs):
         """The real sample_llama loop (sampling.py:L311-L395); extra keywords are ignored."""
+        if self.neuron_config.on_device_generation:  # sample_tokens (llama/model.py:L409-L412)
+            raise NotImplementedError("fake: sample() with on_device_generation")
         batch, context_length = input_ids.shape
         if batch not in self.batch_sizes:  # llama/model.py:L416-L419
             raise ValueError(f"Model not compiled for batch_size : {batch}. Acceptable "
@@ -182,3 +318,32 @@ def _check_top_k_top_p(top_k, top_p) -> None:
     if top_p is not None and (not isinstance(top_p, float) or not 0.0 < top_p <= 1.0):
         raise ValueError("top_p has to be a strictly positive float that less than or equal "
                          "to 1.0.")
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _quantized(weight: torch.Tensor, q, is_unit_scale: bool) -> torch.Tensor:
+    """quantize.maybe_quantize_weights (quantize.py:L23-L115) of an HF [out, in] weight: scales
+    per output channel (contract dim `in`), then W_q * scales as the device rescales it."""
+    tensor = weight.to(torch.float32)  # quantize.py:L69
+    if q.quantize_method == "vector_dynamic":
+        if q.quant_dtype == "s8":  # quantize.py:L72-L86
+            scales = torch.amax(torch.abs(tensor), dim=1, keepdim=True) / 127
+            if scales.count_nonzero() == 0:
+                return tensor.to(torch.int8).to(torch.float32)
+            quantized = torch.clamp(torch.round(tensor / scales), -128, 127).to(torch.int8)
+        else:  # f8e4m3fn (quantize.py:L87-L101): unit scale for no_quantize_list layers
+            if is_unit_scale:
+                return tensor.to(torch.float8_e4m3fn).to(torch.float32)
+            scales = torch.amax(torch.abs(tensor), dim=1, keepdim=True) / float(FpBounds.max)
+            if scales.count_nonzero() == 0:
+                return tensor.to(torch.float8_e4m3fn).to(torch.float32)
+            quantized = (tensor / scales).to(torch.float8_e4m3fn)
+        return quantized.to(torch.float32) * scales
+    # direct_cast (quantize.py:L106-L110): casts with the dtype's *name*, which torch reads
+    # as a device: RuntimeError "Invalid device string: 's8'", as the real one raises
+    warnings.warn(f"direct casting is enabled with dtype {q.quant_dtype}, make sure the values "
+                  "are within representable range of the datatype", stacklevel=3)
+    return tensor.to(q.quant_dtype).to(torch.float32)
