@@ -518,6 +518,15 @@ def _check_neuron_features(h: HandlerConfig) -> None:
                               "'continuous'; micro batching samples through the SDK's sample(), "
                               "which ignores per-request parameters on the device")
     else:
+        if q.weights and q.method == "per_tensor" and q.skip_modules:
+            # its per-tensor quantizer takes no modules_to_not_convert and quantizes every
+            # Linear into the checkpoint (models/application_base.py:L776-L779), while the
+            # traced model keeps those modules unquantized (models/model_wrapper.py:
+            # L1692-L1706): the two would not match
+            raise ConfigError(f"{key}.skip_modules: NxD Inference's per-tensor quantizer "
+                              "quantizes every layer into the checkpoint while the compiled "
+                              "model keeps the skipped ones in handler.dtype; use method: "
+                              "per_channel, or no skip_modules")
         if q.kv_cache == "int8":
             # its KV-cache quantization is fp8 (models/config.py:L299-L304 with
             # neuronx-distributed's KVQuantizationConfig)

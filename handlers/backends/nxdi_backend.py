@@ -4,8 +4,15 @@ The Inf2 path of the Neuron SDKs without transformers-neuronx (2.26 on); NxD Inf
 supports Inf2 up to SDK 2.28 (the 2.29 notes drop Inf2/Trn1, aws-neuron/aws-neuron-sdk@
 81ce03ae:about-neuron/whats-new.rst:L281). Start-up, in order: claim tp_degree NeuronCores
 -> apply the Neuron environment -> import the SDK -> NeuronConfig + LlamaInferenceConfig
--> compile, or load from the versioned compile cache (the compiled graphs only; weights
-are sharded from the checkpoint at every load).
+-> compile, or load from the versioned compile cache (the compiled graphs; weights are
+sharded from the checkpoint at every load).
+
+Quantized weights (handler.neuron.quantization.weights): NxD Inference reads every weight
+from a pre-quantized checkpoint (models/application_base.py:L635-L641), which we write with
+its own save_quantized_state_dict before the first compile, into the entry's
+artifacts/quantized/v1/ (published with the compiled graphs, checksummed with them); a
+load from the cache reads it there and quantizes nothing. fp8 KV cache and async mode
+(handler.nxdi.async_mode) are NeuronConfig settings (see build_neuron_config).
 
 Continuous batching only, as vLLM's NxDI plugin runs it: one context row per call, each
 slot a KV-cache line addressed by its seq_id, decode of every running slot per step with
@@ -16,10 +23,16 @@ Citations: aws-neuron/neuronx-distributed-inference@cd3abf3:src/neuronx_distribu
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import logging
+import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,10 +50,10 @@ from handlers.backends.capabilities import check_sampling
 from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.config import HandlerConfig
-from handlers.errors import ConfigError, GenerationError, RequestError
+from handlers.errors import CacheError, ConfigError, GenerationError, RequestError
 from neuron_cache.compile import compile_or_load
-from neuron_cache.key import key_inputs, nxdi_buckets, read_model_config
-from neuron_cache.store import CacheStore
+from neuron_cache.key import KeyInputs, key_inputs, nxdi_buckets, read_model_config
+from neuron_cache.store import ARTIFACTS, TMP_PREFIX, CacheStore, fsync_dir, fsync_tree
 
 log = logging.getLogger(__name__)
 PACKAGE = "neuronx_distributed_inference"
@@ -58,49 +71,181 @@ def resolve_model_class(name: str) -> type:
                             install=INSTALL)
 
 
-def build_neuron_config(spec: dict[str, Any]) -> Any:
+#: where a cache entry keeps its pre-quantized checkpoint, under artifacts/ (the version is
+#: this layout's; the SDK versions in the key cover the library's own format)
+QUANTIZED_DIR = "quantized/v1"
+#: the key field naming the weights a quantized entry was made from (see weights_fingerprint)
+WEIGHTS_FIELD = "_inf2serve_weights"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def build_neuron_config(spec: dict[str, Any], quantized_checkpoints_path: str | None = None
+                        ) -> Any:
     """NeuronConfig from our plain-data spec (neuron_cache.key.nxdi_neuron_config).
 
     NeuronConfig logs and drops keywords it does not know (models/config.py:L604-L605), so a
     renamed field would compile another model silently: every one we pass must come back.
+    Two more come from here, not the key: where the pre-quantized checkpoint is (required
+    when quantized, L216-L226), and the fp8 KV cache's config. In 0.8 (SDK 2.28) the cache
+    dtype comes from kv_quant_config alone, kv_cache_quant only adds the compiler's fp8 flag
+    (modules/kvcache/kv_cache_manager.py:L139-L150, models/model_wrapper.py:L148-L157); up
+    to 0.7 kv_cache_quant itself makes the cache fp8 and there is no kv_quant_config, which
+    that NeuronConfig drops with a warning. We pass both and accept either.
     """
     from neuronx_distributed_inference.models.config import NeuronConfig, OnDeviceSamplingConfig
 
     kwargs = dict(spec)
     sampling = kwargs.pop("on_device_sampling_config")
-    nc = NeuronConfig(**kwargs, on_device_sampling_config=(
+    extra: dict[str, Any] = {}
+    if kwargs.get("quantized"):
+        if not quantized_checkpoints_path:
+            raise GenerationError("a quantized NeuronConfig needs quantized_checkpoints_path")
+        extra["quantized_checkpoints_path"] = quantized_checkpoints_path
+    if kwargs.get("kv_cache_quant"):
+        import torch
+
+        # neuronx-distributed's KVQuantizationConfig from a dict (models/config.py:L299-L304):
+        # per-tensor K and V, cast without scales, as inference_demo.py:L451-L463 builds it
+        extra["kv_quant_config"] = {"quant_dtype": torch.float8_e4m3fn, "direct_cast": True}
+    nc = NeuronConfig(**kwargs, **extra, on_device_sampling_config=(
         OnDeviceSamplingConfig(**sampling) if sampling else None))
-    lost = sorted(k for k in kwargs if not hasattr(nc, k))
+    lost = sorted(k for k in [*kwargs, *extra] if k != "kv_quant_config" and not hasattr(nc, k))
     if lost:
         raise ConfigError(f"this neuronx-distributed-inference's NeuronConfig has no {lost}; "
                           "use 0.3 (SDK 2.23) to 0.8 (SDK 2.28)")
+    if "kv_quant_config" in extra and getattr(nc, "kv_quant_config", None) is None:
+        log.info("this NxD Inference has no kv_quant_config (0.7 or older): kv_cache_quant "
+                 "alone makes the KV cache fp8")
     return nc
+
+
+def weights_fingerprint(checkpoint: Path, sample: int = 4096, stride: int = 16 << 20,
+                        whole: int = 64 << 20) -> str:
+    """Identity of the checkpoint's weight files, for the key of an entry that stores weights
+    made from them (the quantized checkpoint): two fine-tunes of one architecture share a
+    config.json, so without it the second would load the first's weights from a shared
+    cache. sha256 over each file's name and size, its first MiB (a safetensors header
+    names every tensor, dtype, shape and offset) and `sample` bytes every `stride` after;
+    files up to `whole` bytes entirely. A few MB per start rather than the whole checkpoint;
+    weights that differ only inside tensors smaller than `stride` are not told apart."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(checkpoint).iterdir()
+                   if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            if size <= whole:
+                while block := f.read(1 << 20):
+                    h.update(block)
+                continue
+            h.update(f.read(1 << 20))
+            for offset in [*range(1 << 20, size, stride), size - sample]:
+                f.seek(offset)
+                h.update(f.read(sample))
+    return h.hexdigest()
+
+
+def write_quantized_checkpoint(model_cls: type, checkpoint: Path, config: Any, dest: Path
+                               ) -> None:
+    """`model_cls.save_quantized_state_dict` into a new directory beside `dest`, renamed to
+    `dest` once complete, so `dest` never names a half-written checkpoint. The SDK writes
+    safetensors when quantized_checkpoints_path is an existing directory
+    (application_base.py:L744-L768); it reads the whole HF model into host memory to do so."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{dest.name}.", dir=dest.parent))
+    nc = config.neuron_config
+    previous = nc.quantized_checkpoints_path
+    try:
+        nc.quantized_checkpoints_path = str(tmp)
+        log.info("quantizing %s (%s, %s) into %s", checkpoint, nc.quantization_dtype,
+                 nc.quantization_type, dest)
+        model_cls.save_quantized_state_dict(str(checkpoint), config)
+        if not any(tmp.iterdir()):
+            raise GenerationError(f"save_quantized_state_dict wrote nothing to {tmp}")
+        fsync_tree(tmp)
+        os.rename(tmp, dest)
+        fsync_dir(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        nc.quantized_checkpoints_path = previous
+
+
+@contextmanager
+def _kept_fresh(path: Path, every_s: float = 300.0) -> Iterator[None]:
+    """Touch `path` every `every_s` while the block runs: `inf2serve cache prune` removes a
+    `.tmp-*` directory idle for an hour (neuron_cache.maintain.STALE_TMP_S), and a large
+    model's compile writes nothing into ours for longer than that."""
+    stop = threading.Event()
+
+    def touch() -> None:
+        while not stop.wait(every_s):
+            try:
+                os.utime(path)
+            except OSError:
+                return
+
+    thread = threading.Thread(target=touch, name="nxdi-staging-touch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 class _CompileAdapter:
     """NxD Inference's compile(dir)/load(dir) as the load/to_neuron/save neuron_cache drives.
 
     compile() writes neuron_config.json and model.pt into a directory (application_base.py:
-    L292-L315); we compile into a private one, load from it, and save() copies it into the
-    cache's staging directory, which the store publishes atomically.
+    L292-L315); we compile into a private one in the cache root (a hidden `.tmp-*`, pruned if
+    a killed start leaves it), load from it, and save() moves it into the cache's staging
+    directory, which the store publishes atomically. Quantized, the checkpoint is written
+    into the private directory first (the SDK's own order: inference_demo.py:L541-L548),
+    since load() reads it; neuron_config.json names where it will be in the entry.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, staging_root: Path, quantize: Any = None,
+                 entry_checkpoint: Path | None = None) -> None:
         self.model = model
+        self.staging_root = staging_root
+        self.quantize = quantize  # (dest: Path) -> None, when quantized
+        self.entry_checkpoint = entry_checkpoint
         self._from: str | None = None
         self._staged: str | None = None
+
+    def _checkpoint_at(self, path: Path) -> None:
+        self.model.neuron_config.quantized_checkpoints_path = str(path)
 
     def load(self, directory: str) -> None:
         self._from = directory
 
     def to_neuron(self) -> None:
         if self._from is not None:
+            if self.quantize is not None:
+                path = Path(self._from) / QUANTIZED_DIR
+                if not path.is_dir():
+                    raise CacheError(f"compile-cache entry {Path(self._from).parent} has no "
+                                     f"quantized checkpoint ({ARTIFACTS}/{QUANTIZED_DIR}); "
+                                     "remove it (`inf2serve cache prune`) and start again")
+                self._checkpoint_at(path)
             self.model.load(self._from)
             return
-        self._staged = tempfile.mkdtemp(prefix="inf2serve-nxdi-")
+        self.staging_root.mkdir(parents=True, exist_ok=True)
+        self._staged = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}nxdi-", dir=self.staging_root)
         try:
-            self.model.compile(self._staged)
-            self.model.load(self._staged)
+            with _kept_fresh(Path(self._staged)):
+                if self.quantize is not None:
+                    staged = Path(self._staged) / QUANTIZED_DIR
+                    self.quantize(staged)
+                    self._checkpoint_at(self.entry_checkpoint)  # as neuron_config.json says
+                    self.model.compile(self._staged)
+                    self._checkpoint_at(staged)
+                else:
+                    self.model.compile(self._staged)
+                self.model.load(self._staged)
         except BaseException:
             shutil.rmtree(self._staged, ignore_errors=True)
             self._staged = None
@@ -110,10 +255,25 @@ class _CompileAdapter:
         if self._staged is None:
             raise GenerationError("nothing compiled to save")
         try:
-            shutil.copytree(self._staged, directory, dirs_exist_ok=True)
+            os.makedirs(directory, exist_ok=True)
+            for item in sorted(Path(self._staged).iterdir()):  # renames: one file system
+                shutil.move(str(item), os.path.join(directory, item.name))
         finally:
             shutil.rmtree(self._staged, ignore_errors=True)
             self._staged = None
+            if self.quantize is not None:
+                self._checkpoint_at(self.entry_checkpoint)
+
+
+def quantized_key(inputs: KeyInputs, checkpoint: Path) -> KeyInputs:
+    """The key, with the weights' fingerprint when the entry will hold quantized weights
+    (what the SDK would refuse of the settings, handlers/config.py already refused)."""
+    spec = inputs.neuron_config
+    if not spec.get("quantized"):
+        return inputs
+    weights = weights_fingerprint(checkpoint)
+    return dataclasses.replace(inputs, model_config={**inputs.model_config,
+                                                     WEIGHTS_FIELD: weights})
 
 
 def prefill_inputs(prompt: list[int], largest_bucket: int) -> tuple[list[int], list[int]]:
@@ -197,14 +357,19 @@ class NxdiBackend(Backend):
             model_cls = resolve_model_class(x.model_class)
             from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
 
-            inputs = key_inputs(config, model_config)
-            neuron_config = build_neuron_config(inputs.neuron_config)
+            inputs = quantized_key(key_inputs(config, model_config), checkpoint)
+            store = CacheStore(cache_root(config, model_dir))
+            quantized = bool(inputs.neuron_config.get("quantized"))
+            entry_checkpoint = store.root / inputs.entry_name / ARTIFACTS / QUANTIZED_DIR
+            neuron_config = build_neuron_config(
+                inputs.neuron_config, str(entry_checkpoint) if quantized else None)
             inference_config = model_cls.get_config_cls()(
                 neuron_config, load_config=load_pretrained_config(str(checkpoint)))
             self.model = model_cls(str(checkpoint), inference_config)
-            store = CacheStore(cache_root(config, model_dir))
-            self.start = compile_or_load(store, inputs, _CompileAdapter(self.model),
-                                         n.on_mismatch)
+            quantize = functools.partial(write_quantized_checkpoint, model_cls, checkpoint,
+                                         inference_config) if quantized else None
+            adapter = _CompileAdapter(self.model, store.root, quantize, entry_checkpoint)
+            self.start = compile_or_load(store, inputs, adapter, n.on_mismatch)
         except BaseException:
             self._claim.release()
             raise

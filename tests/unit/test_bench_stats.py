@@ -124,8 +124,13 @@ def test_host_efficiency_against_the_device_bound_limit():
 def test_device_bench_reports_the_published_presets_bf16_beside_int8():
     """`make bench-device`'s preset cells: each preset's batch-8 step is the published one,
     and the summary puts bf16 Llama-2-7B and int8 Llama-3-8B side by side."""
-    from bench.device_bound import PRESET_STREAMS, PRESETS, DeviceBound, preset_step_ms
-    from bench.device_bound import summary_section
+    from bench.device_bound import (
+        PRESET_STREAMS,
+        PRESETS,
+        DeviceBound,
+        preset_step_ms,
+        summary_section,
+    )
 
     assert preset_step_ms("llama-2-7b-tp24") == pytest.approx(12.1)
     assert preset_step_ms("llama-3-8b-int8-tp24") == pytest.approx(10.45)

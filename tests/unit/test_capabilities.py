@@ -28,9 +28,9 @@ def test_refusals_name_the_field_as_the_api_calls_it_and_the_setting():
         check_sampling(SamplingParams(min_new_tokens=1), caps, {"min_new_tokens": "min_tokens"})
     assert (err.value.field, err.value.status) == ("min_tokens", 400)
     assert "handler.x decides; use y" in err.value.message
-    bounded = Capabilities(max_top_k=8, max_top_k_setting="handler.nxdi.global_topk")
+    bounded = Capabilities(max_top_k=8, max_top_k_setting="handler.neuron.global_top_k")
     check_sampling(SamplingParams(top_k=9), bounded)  # greedy ignores top_k
-    with pytest.raises(RequestError, match=r"allowed \[0, 8\] \(handler.nxdi.global_topk"):
+    with pytest.raises(RequestError, match=r"allowed \[0, 8\] \(handler.neuron.global_top_k"):
         check_sampling(SamplingParams(temperature=1.0, top_k=9), bounded)
 
 
@@ -56,7 +56,7 @@ def test_sampling_groups():
     ({"backend": "neuron", "batching": "micro"},
      ["min_new_tokens", "ignore_eos", "logprobs", "repetition_penalty"], ["seed"]),
     ({"backend": "nxdi", "batching": "continuous"}, ["prompt_logprobs"], ["seed", "logprobs"]),
-    ({"backend": "nxdi", "batching": "continuous", "nxdi": {"on_device_sampling": True}},
+    ({"backend": "nxdi", "batching": "continuous", "neuron": {"on_device_sampling": True}},
      ["seed", "min_new_tokens", "logprobs"], ["ignore_eos"]),
     ({"backend": "synthetic", "synthetic": {"preset": "llama-2-7b-tp24"}},
      ["logprobs", "repetition_penalty"], ["seed", "min_new_tokens", "ignore_eos"]),
@@ -81,7 +81,7 @@ def test_a_default_the_backend_cannot_honour_is_a_config_error_at_validate(tmp_p
     check_defaults(handler(backend="neuron", defaults={"min_new_tokens": 1}),
                    capabilities_for(handler(backend="neuron")))  # continuous honours it
     path = tmp_path / "model-config.yaml"
-    path.write_text("handler:\n  backend: nxdi\n  batching: continuous\n  nxdi:\n"
+    path.write_text("handler:\n  backend: nxdi\n  batching: continuous\n  neuron:\n"
                     "    on_device_sampling: true\n  defaults:\n    temperature: 0.7\n"
                     "    seed: 3\n")
     assert main(["validate", str(path)]) != 0

@@ -258,3 +258,25 @@ def test_speculation_needs_on_device_sampling_and_room_in_max_length(backend):
         "on_device_sampling": True, "speculation": spec}}}).handler
     assert h.neuron.speculation.enabled and h.neuron.speculation.length == 4
     assert not parse_config({"handler": {"backend": backend}}).handler.neuron.speculation.enabled
+
+
+def test_legacy_nxdi_sampling_keys_load_as_the_neuron_ones_with_a_deprecation_warning():
+    legacy = {"backend": "nxdi", "nxdi": {"on_device_sampling": True, "global_topk": 64}}
+    with pytest.warns(DeprecationWarning) as record:
+        old = parse_config({"handler": legacy}).handler
+    assert sorted(str(w.message).split(";")[0] for w in record) == [
+        "handler.nxdi.global_topk is deprecated", "handler.nxdi.on_device_sampling is deprecated"]
+    new = parse_config({"handler": {"backend": "nxdi", "neuron": {
+        "on_device_sampling": True, "global_top_k": 64}}}).handler
+    assert old == new and (old.neuron.on_device_sampling, old.neuron.global_top_k) == (True, 64)
+    assert legacy["nxdi"] == {"on_device_sampling": True, "global_topk": 64}  # untouched
+    with pytest.warns(DeprecationWarning):  # the same value in both places is redundant only
+        both = parse_config({"handler": {**legacy, "neuron": {"global_top_k": 64}}}).handler
+    assert both == new
+
+
+def test_legacy_nxdi_sampling_key_conflicting_with_the_neuron_one_is_refused():
+    with pytest.raises(ConfigError, match=r"handler.nxdi.on_device_sampling: True conflicts with "
+                                          r"handler.neuron.on_device_sampling False"):
+        parse_config({"handler": {"backend": "nxdi", "nxdi": {"on_device_sampling": True},
+                                  "neuron": {"on_device_sampling": False}}})

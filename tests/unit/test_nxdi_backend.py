@@ -27,7 +27,9 @@ from tests.unit.fakes import one_each
 
 NXDI = Path(__file__).resolve().parents[1] / "fakes" / "nxdi"
 RT_VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_CC_FLAGS",
-           "NEURON_COMPILE_CACHE_URL")
+           "NEURON_COMPILE_CACHE_URL", "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS",
+           "NEURON_RT_IO_RING_CACHE_SIZE", "XLA_HANDLE_SPECIAL_SCALAR", "UNSAFE_FP8FNCAST")
+FAKE_PACKAGES = ("neuronx_distributed_inference", "neuronx_distributed")
 PROMPTS = [[1, 50, 60, 70, 80], [1, 90, 100, 110, 120, 130, 140, 150]]
 TRANSFORMERS_5 = int(__import__("transformers").__version__.split(".")[0]) >= 5
 
@@ -42,7 +44,7 @@ def fake_nxdi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]
     for var in RT_VARS:
         monkeypatch.setenv(var, "")
     yield events
-    for name in [m for m in sys.modules if m.split(".")[0] == "neuronx_distributed_inference"]:
+    for name in [m for m in sys.modules if m.split(".")[0] in FAKE_PACKAGES]:
         del sys.modules[name]
 
 
@@ -183,7 +185,7 @@ def test_another_sdk_build_is_a_mismatch(tiny_checkpoint, tmp_path, fake_nxdi,
 
 
 def test_on_device_sampling_greedy_and_refusals(tiny_checkpoint, tmp_path, fake_nxdi) -> None:
-    b = _backend(tiny_checkpoint, tmp_path, nxdi={"on_device_sampling": True, "global_topk": 50})
+    b = _backend(tiny_checkpoint, tmp_path, on_device_sampling=True, global_top_k=50)
     assert _greedy(b, 0, PROMPTS[0], 4) == _reference(tiny_checkpoint, PROMPTS[0], 4)
     sampled = b.prefill([1], [PROMPTS[1]], [SamplingParams(temperature=0.8, top_k=20)])
     assert 0 <= sampled[0] < 1024
@@ -209,7 +211,7 @@ def test_requests_it_cannot_honour_are_400s_naming_the_field(tmp_path, body, fie
                        nxdi_capabilities(cfg.neuron.on_device_sampling, cfg.neuron.global_top_k))
 
     with pytest.raises(RequestError) as err:
-        check(_config(tmp_path, nxdi={"on_device_sampling": True}))
+        check(_config(tmp_path, on_device_sampling=True))
     assert err.value.field == field and err.value.status == 400
     check(_config(tmp_path))  # host sampling: all fine
 
@@ -283,8 +285,8 @@ def test_a_failed_compile_leaves_no_staging_dir_and_no_entry(tiny_checkpoint, tm
     with pytest.raises(RuntimeError, match="neuronx-cc failed"):
         _backend(tiny_checkpoint, tmp_path)
     assert list((tmp_path / "tmp").iterdir()) == []
-    cache = tmp_path / "cache"
-    assert not cache.exists() or not [p for p in cache.iterdir() if (p / "metadata.json").exists()]
+    cache = tmp_path / "cache"  # the compile stages in a hidden .tmp-* there
+    assert not cache.exists() or [p.name for p in cache.iterdir()] in ([], [".locks"])
 
 
 def test_host_sampling_reports_logprobs(tiny_checkpoint, tmp_path, fake_nxdi) -> None:

@@ -27,7 +27,8 @@ def nxdi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     for var in RT_VARS:
         monkeypatch.setenv(var, "")
     yield
-    for name in [m for m in sys.modules if m.split(".")[0] == "neuronx_distributed_inference"]:
+    for name in [m for m in sys.modules
+                 if m.split(".")[0] in ("neuronx_distributed_inference", "neuronx_distributed")]:
         del sys.modules[name]
 
 

@@ -33,7 +33,7 @@ BASE = _key()
     {"neuron": {"compiler_flags": ["--model-type=transformer", "-O1"]}},
     {"nxdi": {"token_generation_buckets": [512, 2048]}},
     {"nxdi": {"max_context_length": 1024}},
-    {"nxdi": {"on_device_sampling": True}},
+    {"neuron": {"on_device_sampling": True}},
     {"nxdi": {"fused_qkv": True}},
     {"nxdi": {"sequence_parallel_enabled": True}},
     {"nxdi": {"model_class": "models.mistral.modeling_mistral.NeuronMistralForCausalLM"}},
@@ -44,8 +44,8 @@ def test_key_changes_with_each_graph_setting(handler: dict) -> None:
 
 def test_global_topk_is_in_the_key_only_with_on_device_sampling() -> None:
     on = {"on_device_sampling": True}
-    assert _key({"nxdi": {**on, "global_topk": 64}}).digest != _key({"nxdi": on}).digest
-    assert _key({"nxdi": {"global_topk": 64}}).digest == BASE.digest
+    assert _key({"neuron": {**on, "global_top_k": 64}}).digest != _key({"neuron": on}).digest
+    assert _key({"neuron": {"global_top_k": 64}}).digest == BASE.digest
 
 
 @pytest.mark.parametrize("dist", NXDI_SDK_DISTRIBUTIONS)

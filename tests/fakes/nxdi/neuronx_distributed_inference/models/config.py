@@ -12,8 +12,13 @@ import inspect
 import json
 import logging
 import os
+import warnings
 
 import torch
+from neuronx_distributed.quantization.quantization_config import (
+    KVQuantizationConfig,
+    QuantizedDtype,
+)
 
 CONFIG_FILE = "neuron_config.json"  # L23
 
@@ -94,7 +99,7 @@ class NeuronConfig:
         if type(self.on_device_sampling_config) is dict:  # L176-L179: a dict is accepted too
             self.on_device_sampling_config = OnDeviceSamplingConfig(
                 **self.on_device_sampling_config)
-        self.async_mode = kwargs.pop("async_mode", False)
+        self.async_mode = kwargs.pop("async_mode", False)  # L182-L183
         self.enable_bucketing = kwargs.pop("enable_bucketing", False)
         self.buckets = kwargs.pop("buckets", [self.seq_len])
         self.context_encoding_buckets = kwargs.pop("context_encoding_buckets", None)
@@ -109,12 +114,28 @@ class NeuronConfig:
             assert self.token_generation_buckets[-1] <= self.max_length, (
                 f"Token generation bucket {self.token_generation_buckets[-1]} should be <= "
                 f"{self.max_length}")
+        self.quantized = kwargs.pop("quantized", False)  # L216-L226
+        self.quantized_checkpoints_path = kwargs.pop("quantized_checkpoints_path", None)
+        if self.quantized is True:
+            assert self.quantized_checkpoints_path is not None, \
+                "quantized_checkpoints_path is required"
+        # not checked here: an unknown type fails where the checkpoint is written or the
+        # model traced (application_base.py:L774-L788, model_wrapper.py:L1692-L1699)
+        self.quantization_type = kwargs.pop("quantization_type", "per_tensor_symmetric")
+        self.quantization_dtype = kwargs.pop("quantization_dtype", "int8")
+        self.modules_to_not_convert = kwargs.pop("modules_to_not_convert", None)  # L235-L240
+        # 2.28 reads it only for the fp8 compiler flag (model_wrapper.py:L148-L157)
+        self.kv_cache_quant = kwargs.pop("kv_cache_quant", False)
         self.speculation_length = kwargs.pop("speculation_length", 0)
         self.medusa_speculation_length = kwargs.pop("medusa_speculation_length", 0)
         self.enable_fused_speculation = kwargs.pop("enable_fused_speculation", False)
         self.is_chunked_prefill = kwargs.pop("is_chunked_prefill", False)
         self.is_prefix_caching = kwargs.pop("is_prefix_caching", False)
         self.is_block_kv_layout = kwargs.pop("is_block_kv_layout", False)
+        # L299-L304: the KV cache's dtype comes from here in 2.28 (kv_cache_manager.py:L139-L150)
+        self.kv_quant_config = kwargs.pop("kv_quant_config", None)
+        if type(self.kv_quant_config) is dict:
+            self.kv_quant_config = KVQuantizationConfig(**self.kv_quant_config)
         self.tp_degree = kwargs.pop("tp_degree", 1)  # L361-L371
         self.cp_degree = kwargs.pop("cp_degree", 1)
         self.pp_degree = kwargs.pop("pp_degree", 1)
@@ -133,10 +154,20 @@ class NeuronConfig:
         self.flash_decoding_enabled = kwargs.pop("flash_decoding_enabled", False)
         self.logical_nc_config = int(kwargs.pop("logical_nc_config", 1))  # Inf2: LNC 1 (L688-L729)
         self.lora_config = kwargs.pop("lora_config", None)
+        if self.quantized and not self.modules_to_not_convert:  # L518-L527 (no qkv kernel)
+            warnings.warn("modules_to_not_convert is not provided. Assuming all modules will be "
+                          "quantized.", UserWarning, stacklevel=2)
+        self._verify_quantized_config()  # L570
         self.apply_seq_ids_mask = kwargs.pop("apply_seq_ids_mask", False)
         self.skip_warmup = kwargs.pop("skip_warmup", False)  # L575
         if kwargs:  # L604-L605: unknown keywords are logged and dropped, never refused
             logging.warning(f"NeuronConfig init: Unexpected keyword arguments: {kwargs}")
+
+    def _verify_quantized_config(self):  # L656-L663
+        if not self.quantized:
+            return
+        assert self.quantized_checkpoints_path is not None, "quantized_checkpoints_path is required"
+        QuantizedDtype.has_dtype(self.quantization_dtype)
 
 
 class InferenceConfig:

@@ -20,16 +20,44 @@ import os
 from math import log2
 
 import torch
+from neuronx_distributed.quantization.quantization_config import (
+    QuantizationType,
+    QuantizedDtype,
+)
+from neuronx_distributed.quantization.quantization_utils import (
+    quantize_pytorch_model_per_channel_symmetric,
+    quantize_pytorch_model_per_tensor_symmetric,
+)
 
 from neuronx_distributed_inference import _fake_runtime as rt
 from neuronx_distributed_inference.models.config import to_dict
+from neuronx_distributed_inference.modules.checkpoint import (
+    load_state_dict,
+    prune_state_dict,
+    save_state_dict_safetensors,
+)
 from neuronx_distributed_inference.modules.generation import sampling
 
 COMPILED_MODEL_FILE_NAME = "model.pt"  # AB:L47
+#: NeuronConfig fields that do not shape a traced graph (the fake compares the rest at load)
+NOT_TRACED = ("skip_warmup", "quantized_checkpoints_path")
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
-UNMODELLED = ("async_mode", "speculation_length", "medusa_speculation_length",
+UNMODELLED = ("speculation_length", "medusa_speculation_length",
               "enable_fused_speculation", "is_prefix_caching", "is_block_kv_layout", "lora_config")
+
+
+def traced_name(hf_name: str, fused_qkv: bool) -> str:
+    """An HF Llama Linear's name in NxD Inference's traced Llama: q/k/v under
+    self_attn.qkv_proj (one Wqkv when fused), o under self_attn.o_proj
+    (modules/attention/gqa.py:L440-L470, L1213; attention_base.py:L494-L495)."""
+    head, _, leaf = hf_name.rpartition(".")
+    if head.endswith("self_attn") and leaf in ("q_proj", "k_proj", "v_proj"):
+        return f"{head}.qkv_proj.{'Wqkv' if fused_qkv else leaf}"
+    if head.endswith("self_attn") and leaf == "o_proj":
+        return f"{head}.o_proj.o_proj"
+    return hf_name
 
 
 def normalize_path(path) -> str:
@@ -100,6 +128,14 @@ class NeuronBaseForCausalLM(torch.nn.Module):
         self.kv_cache_populated = False
         self._hf = None
         self._kv: dict[int, dict[int, tuple[int, int]]] = {}
+        self._kv_dtype = None  # the KV cache's dtype when not torch_dtype (KV:L139-L150)
+        self._reading_cache = False
+        self.async_mode = nc.async_mode  # MB:L3077-L3088
+        self.prior_outputs = self.prior_seq_ids = None
+        self.async_should_stop = False
+        if self.async_mode:
+            os.environ["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] = "2"
+            os.environ["NEURON_RT_IO_RING_CACHE_SIZE"] = "2"
 
     @classmethod
     def get_config_cls(cls):
@@ -110,7 +146,7 @@ class NeuronBaseForCausalLM(torch.nn.Module):
         """One graph per bucket of each model; what model.pt holds (MB:L3149-L3196)."""
         c, nc = self.config, self.neuron_config
         base = {"model": {k: getattr(c, k, None) for k in c.get_required_attributes()},
-                "neuron_config": {k: v for k, v in to_dict(nc).items() if k != "skip_warmup"}}
+                "neuron_config": {k: v for k, v in to_dict(nc).items() if k not in NOT_TRACED}}
         graphs = [{**base, "tag": CONTEXT_ENCODING_MODEL_TAG, "bucket": b,
                    "batch": nc.ctx_batch_size} for b in self.cte_buckets]
         graphs += [{**base, "tag": TOKEN_GENERATION_MODEL_TAG, "bucket": b,
@@ -125,6 +161,11 @@ class NeuronBaseForCausalLM(torch.nn.Module):
         self.config.save(path)  # written first, even when tracing fails (AB:L299)
         if nc.is_continuous_batching and nc.ctx_batch_size != 1:  # KV:L488-L489, at trace time
             raise AssertionError("only supports single seq_id")
+        if nc.quantized:  # get_trace_callable converts the traced model (MW:L1692-L1699)
+            quantization_type = QuantizationType(nc.quantization_type)
+            if quantization_type not in (QuantizationType.PER_CHANNEL_SYMMETRIC,
+                                         QuantizationType.PER_TENSOR_SYMMETRIC):
+                raise RuntimeError(f"{nc.quantization_type} is not supported")
         if dry_run:
             return
         if nc.save_sharded_checkpoint:
@@ -155,14 +196,165 @@ class NeuronBaseForCausalLM(torch.nn.Module):
         nc = self.neuron_config
         ranks = local_ranks_size or nc.local_ranks_size
         cores = rt.reserve_cores(ranks)  # nxd_model.initialize (AB:L414)
-        from transformers import LlamaForCausalLM
-
         # sharded from the checkpoint at load, not stored in the compiled dir (AB:L403-L405)
-        hf = LlamaForCausalLM.from_pretrained(self.model_path.rstrip("/"))
-        self._hf = hf.to(nc.torch_dtype).eval()
+        self._hf = self._traced_weights().to(nc.torch_dtype).eval()
         self._kv, self.is_loaded_to_neuron = {}, True
+        self.prior_outputs = self.prior_seq_ids = None
+        warmup = not (nc.skip_warmup or skip_warmup)  # AB:L339-L342
         rt.record("load", directory=path, visible_cores=cores, tp_degree=nc.tp_degree,
-                  batch_size=nc.batch_size, warmup=not (nc.skip_warmup or skip_warmup))
+                  batch_size=nc.batch_size, warmup=warmup,
+                  # each graph once, through forward_async in async mode (AB:L348-L372)
+                  warmup_call=("forward_async" if nc.async_mode else "forward") if warmup
+                  else None,
+                  quantized_checkpoint=nc.quantized_checkpoints_path if nc.quantized else None,
+                  kv_cache_dtype=str(self._kv_dtype or nc.torch_dtype).split(".")[-1])
+
+    # --- weights ---------------------------------------------------------------------------
+    _STATE_DICT_MODEL_PREFIX = "model."  # AB:L69-L70
+    _NEW_STATE_DICT_MODEL_PREFIX = ""
+
+    @staticmethod
+    def load_hf_model(model_path):
+        raise NotImplementedError("load_hf_model is not implemented")  # AB:L799-L802
+
+    @classmethod
+    def get_state_dict(cls, model_name_or_path: str, config) -> dict:
+        """A directory's HF files or one torch file, 'model.' dropped, *.weight_scale -> *.scale
+        (AB:L690-L737)."""
+        if os.path.isdir(model_name_or_path):
+            model_sd = load_state_dict(model_name_or_path)
+        elif os.path.isfile(model_name_or_path):
+            model_sd = torch.load(model_name_or_path, weights_only=True)
+        else:
+            raise NotImplementedError("fake: loading a model by hub name")
+        for name in list(model_sd):
+            new = name
+            if name.startswith(cls._STATE_DICT_MODEL_PREFIX):
+                new = name.replace(cls._STATE_DICT_MODEL_PREFIX,
+                                   cls._NEW_STATE_DICT_MODEL_PREFIX, 1)
+            if name.endswith(".weight_scale"):
+                new = new.replace(".weight_scale", ".scale")
+            if new != name:
+                model_sd[new] = model_sd.pop(name)
+        return model_sd
+
+    def checkpoint_loader_fn(self, mmap: bool = False):
+        """The state dict the device gets; the quantized checkpoint's when quantized
+        (AB:L628-L681)."""
+        nc = self.neuron_config
+        model_path = getattr(self.config, "_name_or_path", None)
+        if model_path is None or not os.path.exists(model_path):
+            model_path = self.model_path
+        if nc.quantized:  # AB:L635-L641: every weight from there, none from the HF dir
+            existing_checkpoint_path = nc.quantized_checkpoints_path
+            if not os.path.exists(existing_checkpoint_path):
+                raise FileNotFoundError(
+                    f"Quantized checkpoint file not found: {existing_checkpoint_path}")
+            model_path = existing_checkpoint_path
+        model_sd = self.get_state_dict(model_path, self.config)
+        if nc.torch_dtype != torch.float32 and nc.cast_type == "config":  # AB:L643-L656
+            for name, param in model_sd.items():
+                if (torch.is_floating_point(param) and param.dtype not in QUANTIZED_DTYPES
+                        and not name.endswith("scale") and param.dtype != nc.torch_dtype):
+                    model_sd[name] = param.to(nc.torch_dtype)
+        return model_sd
+
+    @classmethod
+    def save_quantized_state_dict(cls, model_path: str, config):
+        """Quantize the HF checkpoint on the CPU into quantized_checkpoints_path: safetensors
+        when that is an existing directory, else one torch.save file (AB:L744-L768)."""
+        model_path = normalize_path(model_path)
+        quantized_state_dict = prune_state_dict(
+            cls.generate_quantized_state_dict(model_path, config))
+        path = config.neuron_config.quantized_checkpoints_path
+        if os.path.isdir(path):
+            save_state_dict_safetensors(state_dict=quantized_state_dict, state_dict_dir=path)
+        else:
+            torch.save(quantized_state_dict, path)
+        rt.record("quantize", path=path, quantization_type=config.neuron_config.quantization_type,
+                  quantization_dtype=config.neuron_config.quantization_dtype)
+
+    @classmethod
+    def generate_quantized_state_dict(cls, model_path: str, config) -> dict:
+        hf_model = cls.load_hf_model(model_path)  # AB:L770-L790
+        nc = config.neuron_config
+        quantization_type = QuantizationType(nc.quantization_type)
+        quantized_dtype = QuantizedDtype.get_dtype(nc.quantization_dtype)
+        if quantization_type == QuantizationType.PER_TENSOR_SYMMETRIC:
+            hf_model_quant = quantize_pytorch_model_per_tensor_symmetric(
+                float_model=hf_model, inplace=True, dtype=quantized_dtype)
+        elif quantization_type == QuantizationType.PER_CHANNEL_SYMMETRIC:
+            hf_model_quant = quantize_pytorch_model_per_channel_symmetric(
+                float_model=hf_model, inplace=True, dtype=quantized_dtype,
+                modules_to_not_convert=nc.modules_to_not_convert)
+        else:
+            raise RuntimeError(f"{nc.quantization_type} not supported")
+        return cls.prepare_quantized_state_dict(hf_model_quant)
+
+    @classmethod
+    def prepare_quantized_state_dict(cls, hf_model_quant) -> dict:
+        """The decoder's state dict plus lm_head.* (MB:L3234-L3243)."""
+        model_quant_sd = hf_model_quant.model.state_dict()
+        for key, value in hf_model_quant.lm_head.state_dict().items():
+            model_quant_sd[f"lm_head.{key}"] = value
+        return model_quant_sd
+
+    def _traced_weights(self):
+        """The HF model carrying the weights the traced graphs get: the checkpoint's, or the
+        quantized checkpoint's dequantized (weight * scale) where the trace converted a
+        layer (MW:L1692-L1706; modules_to_not_convert are substrings of the traced module
+        names, quantization/quantize.py:L122-L123 in neuronx-distributed)."""
+        from transformers import AutoConfig, LlamaForCausalLM
+
+        nc = self.neuron_config
+        path = self.model_path.rstrip("/")
+        if not nc.quantized:
+            hf = LlamaForCausalLM.from_pretrained(path)
+        else:
+            sd = self.checkpoint_loader_fn()
+            hf = LlamaForCausalLM(AutoConfig.from_pretrained(path))
+            want = QuantizedDtype.get_dtype(nc.quantization_dtype)
+            skip = nc.modules_to_not_convert or []
+            weights = {}
+            for name, module in hf.named_modules():
+                if type(module) is not torch.nn.Linear:
+                    continue
+                key = name.removeprefix("model.")
+                weight, scale = sd.pop(key + ".weight", None), sd.pop(key + ".scale", None)
+                if weight is None:
+                    raise RuntimeError(f"fake: {key}.weight is not in the quantized checkpoint")
+                if not any(s in traced_name(key, nc.fused_qkv) for s in skip):
+                    if scale is None or weight.dtype != want:
+                        raise RuntimeError(
+                            f"fake: the trace quantizes {key} to {want} but the checkpoint "
+                            f"holds {weight.dtype}"
+                            f"{'' if scale is not None else ' without a scale'}")
+                    weight = weight.to(torch.float32) * scale
+                elif scale is not None or weight.dtype in QUANTIZED_DTYPES:
+                    raise RuntimeError(f"fake: {key} is in modules_to_not_convert but the "
+                                       f"checkpoint holds it quantized ({weight.dtype})")
+                weights[name + ".weight"] = weight
+            for key, value in sd.items():
+                weights[key if key.startswith("lm_head.") else "model." + key] = value
+            hf.load_state_dict(weights, strict=True)
+        kv = nc.kv_quant_config
+        if kv is not None:
+            if not kv.direct_cast:
+                raise NotImplementedError("fake: scaled KV-cache quantization (direct_cast=False)")
+            self._kv_dtype = kv.quant_dtype
+            for layer in hf.model.layers:
+                for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.register_forward_hook(self._cast_cached)
+        return hf
+
+    def _cast_cached(self, module, args, out):
+        """K/V read back from the cache are cast to its dtype and back (KV:L676-L698); the
+        active token's are not. Fake only: cast before the rotary embedding, not after."""
+        if not self._reading_cache or out.shape[1] < 2:
+            return None
+        out = out.clone()
+        out[:, :-1] = out[:, :-1].to(self._kv_dtype).to(out.dtype)
+        return out
 
     def reset(self):
         self.kv_cache_populated = False  # MB:L3942-L3946: the flag only, not the cache
@@ -196,17 +388,71 @@ class NeuronBaseForCausalLM(torch.nn.Module):
             raise RuntimeError(f"fake: sampling_params {tuple(sampling_params.shape)} for "
                                f"{seq_ids.shape[0]} rows")
         ids, pos = input_ids.to(torch.int64), position_ids.to(torch.int64)  # MW:L715-L723
+        if not self.async_mode:
+            return self._run(ids, attention_mask, pos, seq_ids, sampling_params, prefill)
+        if self.prior_seq_ids is None:  # MB:L3349-L3351, on every call
+            self.prior_seq_ids = seq_ids
+        return self._async(ids, attention_mask, pos, seq_ids, sampling_params, prefill)
+
+    def _run(self, ids, mask, pos, seq_ids, sampling_params, prefill) -> _Output:
+        """One graph on the device."""
+        nc = self.neuron_config
         with torch.no_grad():
             if prefill:
-                logits = self._context(ids, attention_mask, pos, seq_ids.to(torch.int64))
+                logits = self._context(ids, mask, pos, seq_ids.to(torch.int64))
                 self.kv_cache_populated = True
             else:
-                logits = self._token(ids, attention_mask, pos, seq_ids.to(torch.int64))
+                logits = self._token(ids, mask, pos, seq_ids.to(torch.int64))
         if self.on_device_sampling:  # tokens instead of logits (MB:L3851-L3876)
             tokens = sampling.sample(logits[:, -1, :], sampling_params,
                                      nc.on_device_sampling_config)
             return _Output(None, tokens, tokens)
         return _Output(logits, logits, logits)
+
+    def _async(self, ids, mask, pos, seq_ids, sampling_params, prefill) -> _Output:
+        """causal_lm_async_execution (modules/async_execution.py:L190-L306, CTE + TKG flow).
+
+        A prefill runs and clears the async state. A decode with other seq_ids than the last
+        one, or within two tokens of a bucket boundary, runs in sync. Otherwise the step is
+        also run one ahead on the device's own output tokens at position + 1, and the next
+        decode with the same seq_ids returns that step without running its own inputs: the
+        host's input_ids are not read then.
+        """
+        self.async_should_stop = False
+        if prefill:  # L202-L220
+            out = self._run(ids, mask, pos, seq_ids, sampling_params, True)
+            self.prior_outputs = self.prior_seq_ids = None
+            return out
+        known = mask.shape[1]  # will_hit_bucket_boundary (L172-L187), one token generated
+        boundary = any(known < b <= known + 2 for b in self.tkg_buckets)
+        sync = not torch.equal(self.prior_seq_ids, seq_ids) or boundary  # L238-L241
+        start = not sync and self.prior_outputs is None
+        if sync:
+            self.prior_outputs = self.prior_seq_ids = None
+        ahead = None
+        if sync or start:  # L245-L259
+            ahead = self._run(ids, mask, pos, seq_ids, sampling_params, False)
+            if start:
+                self.prior_outputs, self.prior_seq_ids = ahead, seq_ids
+        if not sync:
+            if self.neuron_config.seq_len - int(pos.max()) <= 2:  # within_bounds (L168-L169)
+                out = self.prior_outputs  # L275-L288: drained, async stops
+                self.prior_outputs = self.prior_seq_ids = None
+                self.async_should_stop = True
+                return out
+            if not self.on_device_sampling:
+                raise RuntimeError("fake: async_mode feeds the device's output back as the next "
+                                   "input_ids (L263-L264); without on-device sampling that is "
+                                   "logits, which the token-generation graph cannot take")
+            # the next positions from this call's (MB:L3279-L3293); tokens from the device
+            next_pos = torch.amax(pos, 1, keepdim=True) + 1
+            ahead = self._run(self.prior_outputs.tokens.reshape(-1, 1).to(torch.int64),
+                              self._infer_attention_mask(next_pos), next_pos, seq_ids,
+                              sampling_params, False)
+        if sync:
+            return ahead
+        out, self.prior_outputs, self.prior_seq_ids = self.prior_outputs, ahead, seq_ids
+        return out
 
     __call__ = forward
 
@@ -283,12 +529,17 @@ class NeuronBaseForCausalLM(torch.nn.Module):
                                  f"{nc.max_length})")
             self._kv.setdefault(line, {})[p] = (token, p)
         out = []
-        for line, (token, p) in zip(lines, rows, strict=True):
-            cache = self._kv.get(line, {})
-            # prior positions below the row's position id, then the active token (MB:L3530-L3549)
-            prior = [cache.get(j, (0, j)) for j in range(p)]
-            out.append(self._logits([t for t, _ in prior] + [token],
-                                    [q for _, q in prior] + [p]))
+        self._reading_cache = True  # prior positions come from the cache
+        try:
+            for line, (token, p) in zip(lines, rows, strict=True):
+                cache = self._kv.get(line, {})
+                # prior positions below the row's position id, then the active token
+                # (MB:L3530-L3549)
+                prior = [cache.get(j, (0, j)) for j in range(p)]
+                out.append(self._logits([t for t, _ in prior] + [token],
+                                        [q for _, q in prior] + [p]))
+        finally:
+            self._reading_cache = False
         return torch.stack(out).unsqueeze(1)
 
     def _check_line(self, line: int) -> None:

@@ -25,3 +25,9 @@ class NeuronLlamaForCausalLM(NeuronBaseForCausalLM):
     @classmethod
     def get_config_cls(cls):  # L1572-L1574
         return LlamaInferenceConfig
+
+    @staticmethod
+    def load_hf_model(model_path, **kwargs):  # L1449-L1451: the whole HF model on the host
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM.from_pretrained(model_path, **kwargs)
