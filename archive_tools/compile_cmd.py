@@ -13,7 +13,8 @@ import importlib.util
 import time
 from pathlib import Path
 
-from handlers.config import ModelConfig, load_config
+from archive_tools.load_checks import check_load, read_model_config
+from handlers.config import ModelConfig
 from handlers.errors import Inf2ServeError, NeuronUnavailableError
 
 #: the SDK library each Neuron backend compiles with
@@ -40,7 +41,9 @@ def neuron_available(backend: str = "neuron") -> bool:
 
 
 def load_archive_dir(archive: Path) -> ModelConfig:
-    """The validated config of a no-archive folder (compile writes into it)."""
+    """The config of a no-archive folder (compile writes into it), after the load checks a
+    worker runs and the tokenizer and config.json loaded as it loads them: an archive a
+    worker would refuse is refused here, not after the compile."""
     if not archive.exists():
         raise Inf2ServeError(f"ARCHIVE_DIR {archive}: no such file or directory")
     if not archive.is_dir():
@@ -50,12 +53,13 @@ def load_archive_dir(archive: Path) -> ModelConfig:
     if not (archive / "MAR-INF" / "MANIFEST.json").is_file():
         raise Inf2ServeError(f"ARCHIVE_DIR {archive}: no MAR-INF/MANIFEST.json; pass a folder "
                              "written by `inf2serve package --format no-archive`")
-    config = load_config(archive / "model-config.yaml")
+    _, config, _ = read_model_config(archive / "model-config.yaml")
     if config.handler.backend not in SDK_PACKAGES:
         raise Inf2ServeError(f"{archive / 'model-config.yaml'}: handler.backend is "
                              f"{config.handler.backend!r}; only the Neuron backends (neuron, "
                              "nxdi) are compiled (set handler.backend and repackage)")
-    return config
+    return check_load(archive / "model-config.yaml", archive / config.handler.checkpoint,
+                      fill_frontend=False, flag="ARCHIVE_DIR").config
 
 
 def compile_archive(archive: Path, config: ModelConfig) -> str:

@@ -43,6 +43,20 @@ class Snapshot:
 
     sizes: dict[str, int] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
+    path: str = ""  # the archive, for messages
+
+    def fail(self, name: str, what: str) -> Inf2ServeError:
+        """A damaged member: named, with the fix."""
+        return Inf2ServeError(f"ARCHIVE {self.path}: {name} {what}; the archive is damaged or "
+                              "was not written by `inf2serve package`: package it again")
+
+    def json(self, name: str, default: bytes | None = None) -> Any:
+        """A member as JSON, or an error naming it."""
+        data = self.files.get(name, default)
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
+            raise self.fail(name, f"is not valid JSON ({exc})") from exc
 
 
 def _wanted(name: str) -> str | None:
@@ -106,7 +120,7 @@ def _read(f: IO[bytes], how: str) -> bytes:
         return _torch_header(f)
     head = f.read(8)
     n = int.from_bytes(head, "little") if len(head) == 8 else 0
-    return f.read(n) if 0 < n <= MAX_HEADER else b"{}"
+    return f.read(n) if 0 < n <= MAX_HEADER else b""  # no header: summarize says damaged
 
 
 def _strip(name: str) -> str:
@@ -115,7 +129,7 @@ def _strip(name: str) -> str:
 
 def scan(path: Path) -> Snapshot:
     """Read an archive once; tar.gz members are nested under <name>/ (as model_archiver does)."""
-    snap = Snapshot()
+    snap = Snapshot(path=str(path))
     if path.is_dir():
         for p in sorted(path.rglob("*")):
             if p.is_file():
@@ -125,14 +139,22 @@ def scan(path: Path) -> Snapshot:
                     with open(p, "rb") as f:
                         snap.files[name] = _read(f, how)
     elif zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
-                if info.is_dir():
-                    continue
-                snap.sizes[info.filename] = info.file_size
-                if how := _wanted(info.filename):
-                    with zf.open(info) as f:
-                        snap.files[info.filename] = _read(f, how)
+        try:
+            with zipfile.ZipFile(path) as zf:
+                for info in zf.infolist():
+                    if info.is_dir():
+                        continue
+                    snap.sizes[info.filename] = info.file_size
+                    if how := _wanted(info.filename):
+                        with zf.open(info) as f:
+                            snap.files[info.filename] = _read(f, how)
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as exc:
+            raise Inf2ServeError(f"ARCHIVE {path}: not a readable zip ({exc}); it is damaged "
+                                 "or cut short: package it again") from exc
+    elif path.suffix in (".mar", ".zip") and path.is_file():
+        raise Inf2ServeError(f"ARCHIVE {path}: not a zip file, so not a .mar (damaged, cut "
+                             "short, or another file renamed); package it again with "
+                             "`inf2serve package --format mar`")
     elif path.name.endswith((".tar.gz", ".tgz")):
         try:
             with tarfile.open(path, "r|gz") as tar:  # stream mode: one forward pass
@@ -153,20 +175,41 @@ def scan(path: Path) -> Snapshot:
     return snap
 
 
+def _safetensors_tensors(snap: Snapshot, name: str) -> list[tuple[str, list[int]]]:
+    """(dtype, shape) of each tensor of a safetensors header, or an error naming the file."""
+    header = snap.files[name]
+    if not header:
+        raise snap.fail(name, "has no readable safetensors header (its first 8 bytes give "
+                        f"no length of at most {MAX_HEADER} bytes)")
+    try:
+        entries = json.loads(header)
+        return [(t["dtype"], list(t["shape"])) for key, t in entries.items()
+                if key != "__metadata__"]
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError,
+            TypeError) as exc:
+        raise snap.fail(name, f"has a damaged safetensors header ({exc!r})") from exc
+
+
 def summarize(snap: Snapshot) -> dict[str, Any]:
     """Plain data for the tables (and --json): manifest, config, checkpoint, cache."""
-    manifest = json.loads(snap.files["MAR-INF/MANIFEST.json"])
-    raw = yaml.safe_load(snap.files.get("model-config.yaml", b"")) or {}
+    manifest = snap.json("MAR-INF/MANIFEST.json")
+    try:
+        raw = yaml.safe_load(snap.files.get("model-config.yaml", b"")) or {}
+    except yaml.YAMLError as exc:
+        raise snap.fail("model-config.yaml", "is not valid YAML "
+                        f"({' '.join(str(exc).split())})") from exc
     config = parse_config(raw)  # raises ConfigError naming the closest valid key
     ckpt = config.handler.checkpoint.rstrip("/")
-    cfg_json = json.loads(snap.files.get(f"{ckpt}/config.json", b"{}"))
+    cfg_json = snap.json(f"{ckpt}/config.json", b"{}")
+    if not isinstance(manifest, dict) or not isinstance(cfg_json, dict):
+        raise snap.fail("MAR-INF/MANIFEST.json" if not isinstance(manifest, dict)
+                        else f"{ckpt}/config.json", "is not a JSON object")
     params, dtypes = 0, Counter()
     for name, header in snap.files.items():
         if not name.startswith(f"{ckpt}/"):
             continue
         if name.endswith(".safetensors"):
-            tensors = [(t["dtype"], t["shape"]) for key, t in json.loads(header).items()
-                       if key != "__metadata__"]
+            tensors = _safetensors_tensors(snap, name)
         elif _wanted(name) == "torch":
             tensors = json.loads(header)
         else:
@@ -180,9 +223,9 @@ def summarize(snap: Snapshot) -> dict[str, Any]:
               if any(n.endswith(".safetensors") for n in snap.sizes) else "no weights")
     cache_dir = config.handler.neuron.cache_dir.rstrip("/")
     entries = []
-    for name, data in sorted(snap.files.items()):
+    for name in sorted(snap.files):
         if name.startswith(f"{cache_dir}/") and name.endswith("/metadata.json"):
-            meta = json.loads(data)
+            meta = snap.json(name)
             inputs = meta.get("inputs", {})
             entries.append({
                 "entry": name.split("/")[1], "tp_degree": inputs.get("tp_degree"),

@@ -160,7 +160,11 @@ def qkv_padding(heads: int, kv: int, tp: int, gqa: str) -> tuple[int, int]:
 
 
 def head_layout(arch: Arch, tp: int, gqa: str, batch_size: int) -> HeadLayout:
-    """Padding and replication as the decoder layer's to_neuron() applies them."""
+    """Padding and replication as the decoder layer's to_neuron() applies them.
+
+    Replication first (`kv_heads_used` = kv_heads x ratio), then zero-padding: K/V heads that
+    now match Q are padded like Q, and the cache rounds up to tp, so `kv_cache_heads` may
+    exceed `kv_heads_used` (64 heads / 8 K/V at tp 12: 8x to 64, padded to 72)."""
     gqa, said = effective_gqa(arch, tp, gqa, batch_size)
     heads_padded, kv_padded = qkv_padding(arch.heads, arch.kv_heads, tp, gqa)
     kv, extra = arch.kv_heads, heads_padded - arch.heads

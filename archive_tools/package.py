@@ -4,8 +4,11 @@ Archive layout (the same for every format):
     handler_entry.py      TorchServe entry point; puts runtime/ on sys.path
     runtime/handlers/     the toolkit's runtime (config, scheduler, backends)
     runtime/neuron_cache/ compile-cache library
-    model-config.yaml     validated config
+    model-config.yaml     validated config, plus the frontend keys the handler needs
+                          where it leaves them out (archive_tools/load_checks.py)
     <checkpoint>/         weights + tokenizer (handler.checkpoint, default "model")
+    <draft checkpoint>/   speculation's draft model (--draft-checkpoint; at
+                          handler.neuron.speculation.draft_checkpoint)
     neuron_cache/         pre-compiled Neuron artifacts (optional)
     requirements.txt      runtime dependencies (torch: pinned; neuron: none, the SDK's stay),
                           then the lines of --requirements-file
@@ -35,7 +38,6 @@ import tarfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from archive_tools.fileops import (
     Advance,
@@ -47,9 +49,9 @@ from archive_tools.fileops import (
     remove_path,
     staged,
 )
-from handlers.backends import capabilities_for
-from handlers.backends.capabilities import check_defaults
-from handlers.config import ModelConfig, load_config
+from archive_tools.load_checks import check_draft, check_load
+from archive_tools.load_checks import check_loads as check_loads  # `prepare` imports it here
+from handlers.config import ModelConfig
 from handlers.errors import Inf2ServeError
 
 FORMATS = {"mar": ".mar", "tgz": ".tar.gz", "zip-store": ".mar", "no-archive": ""}
@@ -58,11 +60,6 @@ ENTRY_FILE = Path(__file__).resolve().parent / "data" / "handler_entry.py"
 NEURON_BACKENDS = ("neuron", "nxdi")  # the Neuron SDK brings torch and transformers
 PINNED = ("transformers", "tokenizers", "safetensors", "pyyaml")  # torch backend, as built
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]*$")  # torch-model-archiver's rule
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-PICKLED = ("pytorch_model*.bin", "pytorch_model.bin.index.json")  # served only via `prepare`
-# other frameworks' or original (non-HF) weights hub repos carry beside the safetensors
-OTHER_WEIGHTS = ("tf_model*.h5", "flax_model*.msgpack", "*.pth", "*.pt", "*.ckpt", "*.gguf",
-                 "*.onnx", "*.msgpack")
 RUNTIMES = ("python", "python3")  # model_archiver's RuntimeType, less LSP (C++ handlers)
 USER_HANDLER_LINE = 'USER_HANDLER = ""'  # in data/handler_entry.py; --handler fills it in
 SKIP_DIRS = {"__pycache__", ".git", ".ipynb_checkpoints"}
@@ -94,6 +91,8 @@ class Plan:
     entries: tuple[Entry, ...]
     manifest: str
     left_out: tuple[Path, ...] = ()  # checkpoint files not packaged (a second weight format)
+    warnings: tuple[str, ...] = ()  # from the load checks: works, with a cost worth knowing
+    notes: tuple[str, ...] = ()  # frontend keys written, generation defaults taken
 
     @property
     def total_bytes(self) -> int:
@@ -112,6 +111,7 @@ class Plan:
         linked = sum(e.size for e in self.entries if e.link)
         if linked:
             lines.append(f"  hard-links {human(linked)} of checkpoint (no copy)")
+        lines += [f"note: {n}" for n in self.notes] + [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 
@@ -162,83 +162,6 @@ def requirements_txt(config: ModelConfig) -> str:
         except importlib.metadata.PackageNotFoundError:
             lines.append(dist)
     return "\n".join(lines) + "\n"
-
-
-def check_checkpoint(checkpoint: Path, needs_weights: bool = True,
-                     chat_template: str = "") -> tuple[Path, ...]:
-    """A serving checkpoint: config.json, one weight format and a tokenizer that loads, with
-    the configured chat template (what `prepare` writes). The synthetic backend reads no
-    weights (`needs_weights` False). Returns the files left out: a second weight format
-    beside the safetensors."""
-    if not checkpoint.is_dir():
-        raise Inf2ServeError(f"--checkpoint {checkpoint}: no such directory")
-    if not (checkpoint / "config.json").is_file():
-        raise Inf2ServeError(f"--checkpoint {checkpoint}: no config.json; pass a Hugging Face "
-                             "checkpoint directory (see `inf2serve prepare`)")
-    left_out = weight_files_left_out(checkpoint)
-    has_weights = next(checkpoint.glob("*.safetensors"), None) or (
-        checkpoint / "pytorch_model.bin").is_dir()
-    if needs_weights and not has_weights:
-        raise Inf2ServeError(f"--checkpoint {checkpoint}: no *.safetensors (or the legacy split "
-                             "pytorch_model.bin/ folder); run `inf2serve prepare SRC OUT` to "
-                             "write a serving checkpoint")
-    if not any((checkpoint / f).is_file() for f in TOKENIZER_FILES):
-        raise Inf2ServeError(f"--checkpoint {checkpoint}: no tokenizer files "
-                             f"({', '.join(TOKENIZER_FILES)}); save the tokenizer next to the "
-                             "weights (`inf2serve prepare` copies it)")
-    tokenizer = check_loads(checkpoint, "--checkpoint")
-    if chat_template:
-        check_chat_template(tokenizer, chat_template)
-    return left_out
-
-
-def weight_files_left_out(checkpoint: Path) -> tuple[Path, ...]:
-    """One weight format per archive: with safetensors present, pickled .bin shards (and the
-    other frameworks' weights hub repos ship beside them) stay out; without safetensors,
-    pickled .bin files are refused, since `prepare` converts them (and loads them safely)."""
-    pickled = sorted({p for g in PICKLED for p in checkpoint.glob(g) if p.is_file()})
-    if not next(checkpoint.glob("*.safetensors"), None):
-        if pickled:
-            raise Inf2ServeError(
-                f"--checkpoint {checkpoint}: pickled weights ({pickled[0].name}) and no "
-                "*.safetensors; run `inf2serve prepare SRC OUT`, which converts them to "
-                "safetensors, and package OUT")
-        return ()
-    if (checkpoint / "pytorch_model.bin").is_dir():
-        raise Inf2ServeError(f"--checkpoint {checkpoint}: holds both *.safetensors and the "
-                             "legacy split pytorch_model.bin/ folder; keep one (`inf2serve "
-                             "prepare` writes either)")
-    other = {p for g in OTHER_WEIGHTS for p in checkpoint.rglob(g) if p.is_file()}
-    return tuple(sorted({*pickled, *other}))
-
-
-def check_loads(checkpoint: Path, flag: str) -> Any:
-    """Load the tokenizer and the model config as the worker will (the same AutoTokenizer /
-    AutoConfig calls, in this process), so a checkpoint that cannot load fails here with
-    the fix rather than in every worker. This process's transformers may differ from the
-    serving image's (a Neuron SDK's 4.x); the files are the same."""
-    from transformers import AutoConfig
-
-    from handlers.engine.start import load_tokenizer
-
-    try:
-        AutoConfig.from_pretrained(checkpoint.resolve())
-    except Exception as exc:  # transformers raises many kinds; the message is the point
-        raise Inf2ServeError(f"{flag} {checkpoint}: config.json does not load with "
-                             f"AutoConfig.from_pretrained: {exc}") from exc
-    try:
-        return load_tokenizer(checkpoint)
-    except Exception as exc:
-        fix = ("fix the tokenizer files, or install what the message names where the model "
-               "is served")
-        if (checkpoint / "tokenizer.model").is_file() and not (
-                checkpoint / "tokenizer.json").is_file():
-            fix = ("only tokenizer.model is here (no tokenizer.json); convert it once with "
-                   "`pip install sentencepiece` then `inf2serve prepare SRC OUT`, which "
-                   "writes tokenizer.json, which workers read without sentencepiece")
-        raise Inf2ServeError(f"{flag} {checkpoint}: the tokenizer does not load as the worker "
-                             f"loads it (AutoTokenizer.from_pretrained): "
-                             f"{str(exc).strip().splitlines()[0]}; {fix}") from exc
 
 
 def manifest_json(name: str, version: str, runtime: str = "python") -> str:
@@ -353,10 +276,10 @@ def user_requirements(path: Path) -> str:
 def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_dir: Path, *,
                  force: bool = False, version: str = "1.0", neuron_cache: Path | None = None,
                  link: bool = False, handler: Path | None = None, extra_files: str | None = None,
-                 requirements_file: Path | None = None, runtime: str = "python") -> Plan:
-    """Validate every input and list what goes where; writes nothing."""
-    config = load_config(config_path)  # ConfigError names the closest valid key
-    check_defaults(config.handler, capabilities_for(config.handler))
+                 requirements_file: Path | None = None, runtime: str = "python",
+                 draft_checkpoint: Path | None = None) -> Plan:
+    """Validate every input (the load checks a worker would fail on, first) and list what
+    goes where; writes nothing."""
     if fmt not in FORMATS:
         raise Inf2ServeError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     if not NAME_RE.match(name):
@@ -367,8 +290,8 @@ def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_d
     if runtime not in RUNTIMES:
         raise Inf2ServeError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
     checkpoint = Path(checkpoint)
-    left_out = check_checkpoint(checkpoint, needs_weights=config.handler.backend != "synthetic",
-                                chat_template=config.handler.chat_template)
+    loaded = check_load(Path(config_path), checkpoint)  # ConfigError names the closest key
+    config, left_out = loaded.config, loaded.left_out
     ckpt_name = config.handler.checkpoint
     if Path(ckpt_name).is_absolute() or ".." in Path(ckpt_name).parts:
         raise Inf2ServeError(f"handler.checkpoint: {ckpt_name!r} must be a relative path inside "
@@ -385,11 +308,12 @@ def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_d
         entries += _walk(pkg_dir, f"runtime/{pkg}")
     skip = set(left_out)
     entries += [e for e in _walk(checkpoint, ckpt_name, link=link) if e.src not in skip]
+    entries += draft_entries(config, checkpoint, draft_checkpoint, link)
     if neuron_cache is not None:
         if not Path(neuron_cache).is_dir():
             raise Inf2ServeError(f"--neuron-cache {neuron_cache}: no such directory")
         entries += _walk(Path(neuron_cache), config.handler.neuron.cache_dir)
-    entries.append(Entry("model-config.yaml", data=Path(config_path).read_bytes()))
+    entries.append(Entry("model-config.yaml", data=loaded.archive_yaml))
     requirements = requirements_txt(config)
     if requirements_file is not None:
         requirements += user_requirements(requirements_file)
@@ -408,22 +332,38 @@ def plan_package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_d
     if existing and not force:
         raise Inf2ServeError(f"{existing[0]} exists; pass --force to replace it")
     return Plan(name, fmt, target, tuple(sorted(existing)), tuple(entries),
-                manifest_json(name, version, runtime), left_out)
+                manifest_json(name, version, runtime), left_out, loaded.warnings, loaded.notes)
 
 
-def check_chat_template(tokenizer: Any, setting: str) -> None:
-    """handler.chat_template renders a one-message chat here as the worker renders every chat
-    request (a file is looked up in the checkpoint folder), or every one would answer 500."""
-    from handlers.api.chat_template import render_chat
-    from handlers.errors import RequestError
+def _nested(a: str, b: str) -> bool:
+    """Whether one relative path is the other or inside it."""
+    pa, pb = Path(a).parts, Path(b).parts
+    n = min(len(pa), len(pb))
+    return pa[:n] == pb[:n]
 
-    try:
-        render_chat(tokenizer, [{"role": "user", "content": "Hello"}], setting)
-    except Exception as exc:  # RequestError, or one of jinja2's several kinds
-        message = exc.message if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
-        if not message.startswith("handler.chat_template"):
-            message = f"handler.chat_template: {setting[:60]!r} does not render: {message}"
-        raise Inf2ServeError(message) from exc
+
+def draft_entries(config: ModelConfig, checkpoint: Path, draft: Path | None,
+                  link: bool) -> list[Entry]:
+    """--draft-checkpoint DIR, checked as the model is (load_checks.check_draft), at
+    handler.neuron.speculation.draft_checkpoint inside the archive; the flag and the key
+    come together or not at all."""
+    key = "handler.neuron.speculation.draft_checkpoint"
+    name = config.handler.neuron.speculation.draft_checkpoint
+    if draft is None:
+        if name:
+            raise Inf2ServeError(f"{key} is {name!r} but no --draft-checkpoint was given; pass "
+                                 f"the draft model's checkpoint directory (packaged at {name}/)")
+        return []
+    if not name:
+        raise Inf2ServeError(f"--draft-checkpoint {draft}: {key} is not set; set it (e.g. "
+                             "'draft', where the archive holds the draft) or leave out the flag")
+    others = (config.handler.checkpoint, config.handler.neuron.cache_dir)
+    if Path(name).is_absolute() or ".." in Path(name).parts or any(
+            _nested(name, other) for other in others):
+        raise Inf2ServeError(f"{key}: {name!r} must be a relative path inside the archive, apart "
+                             f"from handler.checkpoint and handler.neuron.cache_dir, e.g. 'draft'")
+    skip = set(check_draft(config, checkpoint, Path(draft)))
+    return [e for e in _walk(Path(draft), name, link=link) if e.src not in skip]
 
 
 def _write_folder(plan: Plan, dest: Path, advance: Advance) -> None:
@@ -493,12 +433,12 @@ def package(config_path: Path, checkpoint: Path, name: str, fmt: str, out_dir: P
             force: bool = False, version: str = "1.0", *, neuron_cache: Path | None = None,
             link: bool = False, show_progress: bool = False, handler: Path | None = None,
             extra_files: str | None = None, requirements_file: Path | None = None,
-            runtime: str = "python") -> Path:
+            runtime: str = "python", draft_checkpoint: Path | None = None) -> Path:
     """Validate, plan and write; returns the archive path in `out_dir`."""
     plan = plan_package(config_path, checkpoint, name, fmt, out_dir, force=force,
                         version=version, neuron_cache=neuron_cache, link=link, handler=handler,
                         extra_files=extra_files, requirements_file=requirements_file,
-                        runtime=runtime)
+                        runtime=runtime, draft_checkpoint=draft_checkpoint)
     return execute(plan, show_progress=show_progress)
 
 
@@ -509,7 +449,9 @@ def _run(args: argparse.Namespace) -> int:
                         link=args.link, handler=Path(args.handler) if args.handler else None,
                         extra_files=args.extra_files, runtime=args.runtime,
                         requirements_file=Path(args.requirements_file)
-                        if args.requirements_file else None)
+                        if args.requirements_file else None,
+                        draft_checkpoint=Path(args.draft_checkpoint)
+                        if args.draft_checkpoint else None)
     print(plan.describe())
     if args.dry_run:
         print("dry run: nothing written")
@@ -532,7 +474,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "  inf2serve package --config llama.yaml --checkpoint /data/llama-7b --name llama "
         "--format no-archive --link --out /models --dry-run\n"
         "  inf2serve package --config llama.yaml --checkpoint ckpt --name llama "
-        "--handler my_handler.py --extra-files prompts.json,utils/ --requirements-file r.txt",
+        "--handler my_handler.py --extra-files prompts.json,utils/ --requirements-file r.txt\n"
+        "  inf2serve package --config llama-spec.yaml --checkpoint /data/llama-8b "
+        "--draft-checkpoint /data/llama-1b --name llama-spec --format no-archive",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="model-config.yaml")
     p.add_argument("--checkpoint", required=True, help="serving checkpoint directory")
@@ -555,6 +499,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="pip requirements appended to the archive's requirements.txt; "
                    "TorchServe installs it only with install_py_dep_per_model=true "
                    "(`inf2serve serve --install-py-dep-per-model`)")
+    p.add_argument("--draft-checkpoint", metavar="DIR",
+                   help="speculative decoding's draft model checkpoint, packaged at "
+                   "handler.neuron.speculation.draft_checkpoint (required when that is set)")
     p.add_argument("--neuron-cache", help="pre-compiled Neuron cache directory to include")
     p.add_argument("--link", action="store_true",
                    help="no-archive: hard-link checkpoint files instead of copying (same "

@@ -33,12 +33,34 @@ SPLIT_DIR = "pytorch_model.bin"  # transformers-neuronx save_pretrained_split la
 KEY_TO_FILENAME = "key_to_filename.json"
 
 
+def _read_json(path: Path) -> dict:
+    """A checkpoint's JSON file as an object, or an error naming the file and the fix."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise Inf2ServeError(f"SRC {path}: not valid JSON ({exc}); restore the file from the "
+                             "checkpoint's source (download or save_pretrained again)") from exc
+    if not isinstance(data, dict):
+        raise Inf2ServeError(f"SRC {path}: expected a JSON object, got {type(data).__name__}; "
+                             "restore the file from the checkpoint's source")
+    return data
+
+
 def source_shards(src: Path) -> list[Path]:
     """Weight files of a HF checkpoint, preferring safetensors (as transformers does)."""
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (src / index).is_file():
-            weight_map = json.loads((src / index).read_text())["weight_map"]
-            return [src / name for name in dict.fromkeys(weight_map.values())]
+            weight_map = _read_json(src / index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise Inf2ServeError(f"SRC {src / index}: no \"weight_map\"; restore the index "
+                                     "from the checkpoint's source")
+            shards = [src / str(name) for name in dict.fromkeys(weight_map.values())]
+            missing = [s.name for s in shards if not s.is_file()]
+            if missing:
+                raise Inf2ServeError(f"SRC {src}: {index} lists {len(missing)} shard(s) that "
+                                     f"are not there ({', '.join(missing[:3])}"
+                                     f"{', ...' if len(missing) > 3 else ''}); download them")
+            return shards
     shards = sorted(src.glob("*.safetensors"))
     if not shards and (src / "pytorch_model.bin").is_file():
         shards = [src / "pytorch_model.bin"]
@@ -48,6 +70,28 @@ def source_shards(src: Path) -> list[Path]:
     return shards
 
 
+def _damaged(shard: Path, exc: BaseException) -> Inf2ServeError:
+    why = " ".join(str(exc).split()) or type(exc).__name__
+    return Inf2ServeError(f"SRC {shard}: not a readable {shard.suffix.lstrip('.')} weights file "
+                          f"({why}); it is damaged or cut short: download or save it again")
+
+
+def check_shards(shards: list[Path]) -> None:
+    """Open every safetensors shard's header (no tensor is read), so a damaged file is
+    named before any work: safetensors checks the header and that the file is as long as
+    the header says."""
+    from safetensors import safe_open
+
+    for shard in shards:
+        if shard.suffix != ".safetensors":
+            continue
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # safetensors' SafetensorError (Rust) or OSError
+            raise _damaged(shard, exc) from exc
+
+
 def iter_tensors(shard: Path) -> Iterator[tuple[str, object]]:
     """(key, tensor) pairs of one shard, read lazily where the format allows."""
     import torch
@@ -55,11 +99,20 @@ def iter_tensors(shard: Path) -> Iterator[tuple[str, object]]:
     if shard.suffix == ".safetensors":
         from safetensors import safe_open
 
-        with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except Inf2ServeError:
+            raise
+        except Exception as exc:  # a header that reads but data that does not
+            raise _damaged(shard, exc) from exc
     else:
-        yield from torch.load(shard, map_location="cpu", mmap=True, weights_only=True).items()
+        try:
+            tensors = torch.load(shard, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:  # pickle, zip or EOF errors of a damaged .bin
+            raise _damaged(shard, exc) from exc
+        yield from tensors.items()
 
 
 def cast(tensor, dtype):
@@ -75,6 +128,7 @@ def _check_src(src: Path) -> None:
     if not (src / "config.json").is_file():
         raise Inf2ServeError(f"SRC {src}: no config.json; pass a Hugging Face checkpoint "
                              "directory (the output of save_pretrained)")
+    _read_json(src / "config.json")
     if not any((src / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise Inf2ServeError(f"SRC {src}: no tokenizer files (tokenizer.json, tokenizer.model or "
                              "vocab.json); save the tokenizer into the checkpoint directory")
@@ -186,6 +240,7 @@ def prepare(src: Path, out: Path, *, amp: str | None = None, legacy_split: bool 
     if out.exists() and not force:
         raise Inf2ServeError(f"OUT {out} exists; pass --force to replace it")
     shards = source_shards(src)
+    check_shards(shards)
     dtype = getattr(torch, AMP_DTYPES[amp]) if amp else None
     with staged(out) as built:
         built.mkdir()

@@ -3,8 +3,11 @@
 Secure defaults: bind to 127.0.0.1, token auth on, model management API off
 (models are loaded at start-up with --models), startup timeout sized for Neuron
 compilation. Each server lives in a run directory holding its config.properties,
-key_file.json (TorchServe writes it to its working directory), logs and pid file
-(TorchServe keeps the pid under $TMPDIR, so each run directory gets its own).
+log4j2.xml (each log line once: archive_tools/ts_logs.py), key_file.json (TorchServe
+writes it to its working directory), logs and pid file (TorchServe keeps the pid under
+$TMPDIR, so each run directory gets its own). While workers load (or compile, on Inf2)
+`serve` says so every PROGRESS_EVERY_S per model, with the log to watch; at the end it
+names every model it serves with its URLs.
 The same functions start the server for `make demo` and for the end-to-end tests.
 """
 
@@ -17,7 +20,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
+import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +40,10 @@ DEFAULT_RUN_DIR = Path(".serve")
 TOKEN_EXPIRY_MIN = 720
 #: starts tried when a picked port was taken before TorchServe bound it
 START_ATTEMPTS = 3
+#: seconds between the progress lines of a model whose workers are not READY yet
+PROGRESS_EVERY_S = 10.0
+#: what the model store must hold for `serve` to find a model (package.FORMATS' files)
+ARCHIVE_SUFFIXES = (".mar", ".tar.gz")
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class Server:
     inference_token: str
     management_token: str
     pid: int
+    models: tuple[str, ...] = ()  # the models it serves, in --models order
 
     def curl_example(self, model: str, prompt: str = "Once upon a time") -> str:
         body = json.dumps({"prompt": prompt, "max_new_tokens": 32})
@@ -118,7 +129,7 @@ def read_tokens(run_dir: Path, timeout_s: float = 60) -> tuple[str, str]:
 def _pid(run_dir: Path) -> int | None:
     try:
         return int((run_dir / "tmp" / ".model_server.pid").read_text().strip())
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # none there, or RUN_DIR is no directory
         return None
 
 
@@ -142,15 +153,36 @@ def log_tail(run_dir: Path, lines: int = 60) -> str:
     return "\n".join(out)
 
 
+Progress = Callable[[str], None]
+
+
+def _progress_line(server: Server, model: str, waited_s: float,
+                   sizes: dict[str, int] | None) -> str:
+    """'llama: loading (23 s) - log: ...', with the worker's last log line when there is one
+    (on Inf2 that is where compilation shows)."""
+    log = server.run_dir / "logs" / "model_log.log"
+    last = ts_logs.last_worker_line(server.run_dir, model, sizes or {})
+    last = f"; last: {last[:100]}{'...' if len(last) > 100 else ''}" if last else ""
+    return f"{model}: loading ({waited_s:.0f} s) - log: {log}{last}"
+
+
 def wait_ready(server: Server, models: list[str], timeout_s: float,
-               log_sizes: dict[str, int] | None = None) -> None:
+               log_sizes: dict[str, int] | None = None, progress: Progress | None = None,
+               progress_every_s: float = PROGRESS_EVERY_S) -> None:
     """Poll the management API until every model has a READY worker; fail at once when a
-    worker dies while loading (TorchServe would retry it until the timeout)."""
+    worker dies while loading (TorchServe would retry it until the timeout). `progress`
+    gets a line per model still loading every `progress_every_s`, and one when it is READY."""
     headers = {"Authorization": f"Bearer {server.management_token}"}
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     pending = list(models)
     scanned = dict(log_sizes or {})
+    next_report = started + progress_every_s
     while pending:
+        if progress is not None and time.monotonic() >= next_report:
+            for name in pending:
+                progress(_progress_line(server, name, time.monotonic() - started, log_sizes))
+            next_report = time.monotonic() + progress_every_s
         if not _alive(server.pid):
             why = ts_logs.frontend_exit(server.run_dir, log_sizes or {})
             error = PortTaken if ts_logs.PORT_TAKEN in why else Inf2ServeError
@@ -174,8 +206,10 @@ def wait_ready(server: Server, models: list[str], timeout_s: float,
             workers = r.json()[0].get("workers", []) if r.status_code == 200 else []
             if any(w.get("status") == "READY" for w in workers):
                 pending.pop(0)
+                if progress is not None:
+                    progress(f"{name}: ready ({time.monotonic() - started:.0f} s)")
                 continue
-        except (httpx.HTTPError, ValueError, IndexError):
+        except (httpx.HTTPError, ValueError, IndexError, AttributeError):
             pass
         time.sleep(0.5)
 
@@ -191,27 +225,72 @@ def _model_spec(model_store: Path, model: str) -> str:
                          f"in {model_store}")
 
 
+def store_archives(model_store: Path) -> list[str]:
+    """The archives of a model store, as NAME=FILE: .mar, .tar.gz and archive folders (what
+    `inf2serve package` writes); work dirs and anything else are not models."""
+    specs = []
+    for p in sorted(model_store.iterdir()):
+        if p.name.startswith("."):
+            continue
+        suffix = next((s for s in ARCHIVE_SUFFIXES if p.name.endswith(s) and p.is_file()), None)
+        if suffix is not None:
+            specs.append(f"{p.name[:-len(suffix)]}={p.name}")
+        elif p.is_dir() and (p / "MAR-INF" / "MANIFEST.json").is_file():
+            specs.append(f"{p.name}={p.name}")
+    return specs
+
+
+def _check_archive(model_store: Path, spec: str) -> None:
+    """Refuse, before TorchServe starts, an archive it could not open: a failed model load
+    at start-up takes the whole server down (a .mar that is no zip, a folder without a
+    manifest). What is inside is `inf2serve inspect`'s and the worker's to check."""
+    name, _, file = spec.partition("=")
+    path = model_store / file
+    if "://" in file or not path.exists():  # a URL, or TorchServe's own error names it
+        return
+    if file.endswith(".mar") and path.is_file() and not zipfile.is_zipfile(path):
+        raise Inf2ServeError(f"--models {name}: {path} is not a zip file, so not a .mar "
+                             "(damaged, cut short, or another file renamed); package it again "
+                             "with `inf2serve package`")
+    if file.endswith(".tar.gz") and path.is_file() and not tarfile.is_tarfile(path):
+        raise Inf2ServeError(f"--models {name}: {path} is not a readable .tar.gz; package it "
+                             "again with `inf2serve package --format tgz`")
+    if path.is_dir() and not (path / "MAR-INF" / "MANIFEST.json").is_file():
+        raise Inf2ServeError(f"--models {name}: {path}/ has no MAR-INF/MANIFEST.json, so it is "
+                             "no archive folder; package it with `inf2serve package --format "
+                             "no-archive`")
+
+
 def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR, *,
           workers: int = 1, env: dict[str, str] | None = None, python: str | None = None,
-          ready_timeout_s: float = 900, extra_props: dict[str, str] | None = None) -> Server:
-    """Start TorchServe in the background and wait until `models` are READY."""
+          ready_timeout_s: float = 900, extra_props: dict[str, str] | None = None,
+          progress: Progress | None = None) -> Server:
+    """Start TorchServe in the background and wait until `models` are READY (all the store's
+    archives when `models` is empty); `progress` gets a line per loading model now and then."""
     model_store = Path(model_store)
     if not model_store.is_dir():
         raise Inf2ServeError(f"--model-store {model_store}: no such directory")
-    specs = [_model_spec(model_store, m) for m in models] or [
-        _model_spec(model_store, p.name.split(".")[0]) for p in sorted(model_store.iterdir())
-        if not p.name.startswith(".")]
+    specs = [_model_spec(model_store, m) for m in models] or store_archives(model_store)
+    if not specs:
+        raise Inf2ServeError(f"--model-store {model_store}: no archives in it (.mar, .tar.gz or "
+                             f"archive folders); build one with `inf2serve package --out "
+                             f"{model_store} ...`")
+    for spec in specs:
+        _check_archive(model_store, spec)
     models = [spec.split("=")[0] for spec in specs]
     if shutil.which("java") is None:
         raise Inf2ServeError("java not found; TorchServe needs a Java 17 runtime "
                              "(apt-get install openjdk-17-jre-headless)")
     run_dir = Path(run_dir).resolve()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise Inf2ServeError(f"--run-dir {run_dir}: not a directory; pass a directory for the "
+                             "server's config, keys and logs")
     if _alive(_pid(run_dir)):
         raise Inf2ServeError(f"a TorchServe is already running from {run_dir}; "
                              f"stop it with `inf2serve stop --run-dir {run_dir}`")
     run_dir.mkdir(parents=True, exist_ok=True)
     launch = (run_dir, model_store, specs, models, workers, env, python, ready_timeout_s,
-              extra_props)
+              extra_props, progress)
     for _ in range(START_ATTEMPTS - 1):
         try:
             return _launch(*launch)
@@ -222,29 +301,40 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
 
 def _launch(run_dir: Path, model_store: Path, specs: list[str], models: list[str], workers: int,
             env: dict[str, str] | None, python: str | None, ready_timeout_s: float,
-            extra_props: dict[str, str] | None) -> Server:
+            extra_props: dict[str, str] | None, progress: Progress | None = None) -> Server:
     """One `torchserve --start` on freshly picked ports, waited on until READY; stopped
     again on any failure."""
     (run_dir / "key_file.json").unlink(missing_ok=True)
     sizes = log_sizes(run_dir)
     ports = tuple(free_port() for _ in range(5))
     cfg = write_config_properties(run_dir, model_store, ports, workers, extra_props)
-    cmd = [_torchserve_bin(python), "--start", "--ncs", "--model-store", str(model_store.resolve()),
-           "--ts-config", str(cfg), "--models", *specs]
+    binary = _torchserve_bin(python)
+    if shutil.which(binary) is None:
+        raise Inf2ServeError(f"{binary}: not found; install TorchServe (`pip install -e "
+                             "'.[cpu]'`, or `make install`), or pass the Python that has it")
+    cmd = [binary, "--start", "--ncs", "--model-store", str(model_store.resolve()),
+           "--ts-config", str(cfg), "--log-config", str(ts_logs.write_log_config(run_dir)),
+           "--models", *specs]
     with open(run_dir / FRONTEND_OUT, "ab") as out:
-        subprocess.run(cmd, cwd=run_dir, env=_server_env(run_dir, env), stdout=out,
-                       stderr=subprocess.STDOUT, check=True, timeout=120)
+        started = subprocess.run(cmd, cwd=run_dir, env=_server_env(run_dir, env), stdout=out,
+                                 stderr=subprocess.STDOUT, timeout=120)
+    if started.returncode != 0:
+        said = ts_logs.log_since(run_dir, FRONTEND_OUT, sizes).strip().splitlines()[-5:]
+        raise Inf2ServeError(f"`torchserve --start` exited with status {started.returncode}: "
+                             f"{' / '.join(said) or '(no output)'}; see {run_dir / FRONTEND_OUT}")
     try:
         pid = _pid(run_dir)
         if pid is None:
             raise Inf2ServeError(f"TorchServe wrote no pid file; see {run_dir / FRONTEND_OUT}")
         inference_token, management_token = read_tokens(run_dir)
         server = Server(run_dir, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
-                        f"http://127.0.0.1:{ports[2]}", inference_token, management_token, pid)
+                        f"http://127.0.0.1:{ports[2]}", inference_token, management_token, pid,
+                        tuple(models))
         # addresses only: the tokens stay in TorchServe's own key_file.json
-        public = {k: str(v) for k, v in server.__dict__.items() if not k.endswith("_token")}
+        public = {k: v if k == "models" else str(v) for k, v in server.__dict__.items()
+                  if not k.endswith("_token")}
         (run_dir / "server.json").write_text(json.dumps(public))
-        wait_ready(server, models, ready_timeout_s, sizes)
+        wait_ready(server, models, ready_timeout_s, sizes, progress)
     except BaseException:
         stop(run_dir)
         raise
@@ -264,7 +354,7 @@ def fresh_token(run_dir: Path = DEFAULT_RUN_DIR, kind: str = "inference") -> tup
     try:
         info = json.loads((run_dir / "server.json").read_text())
         api_key = json.loads((run_dir / "key_file.json").read_text())["API"]["key"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError) as exc:
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise Inf2ServeError(f"no TorchServe started by `inf2serve serve` in {run_dir} "
                              f"({exc}); pass its --run-dir") from exc
     try:
@@ -282,6 +372,9 @@ def fresh_token(run_dir: Path = DEFAULT_RUN_DIR, kind: str = "inference") -> tup
 def stop(run_dir: Path = DEFAULT_RUN_DIR, timeout_s: float = 60) -> bool:
     """Stop the TorchServe of `run_dir` and its workers; True if one was running."""
     run_dir = Path(run_dir).resolve()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise Inf2ServeError(f"--run-dir {run_dir}: not a directory; pass the --run-dir "
+                             "`inf2serve serve` was given (default .serve)")
     pid = _pid(run_dir)
     if not _alive(pid):
         return False
@@ -335,14 +428,23 @@ def _model_version(server: Server, model: str) -> str:
         return "1.0"  # torch-model-archiver's default
 
 
-def describe(server: Server, model: str, run_dir: str) -> str:
-    """What `serve` prints: every address, where the keys and logs are, a curl, how to stop."""
-    version = _model_version(server, model)
+def describe(server: Server, models: str | Sequence[str], run_dir: str) -> str:
+    """What `serve` prints: each model it serves with its URLs (native and OpenAI base URL),
+    the other addresses, where the keys and logs are, a curl, how to stop."""
+    models = [models] if isinstance(models, str) else list(models)
+    model = models[0]
     logs = server.run_dir / "logs"
+    urls = []
+    for name in models:
+        version = _model_version(server, name)
+        urls += [f"  {name}",
+                 f"    inference   {server.inference_url}/predictions/{name}",
+                 f"    OpenAI      {server.inference_url}/predictions/{name}/{version}/v1  "
+                 "(base_url)"]
+    served = f"{len(models)} models" if len(models) > 1 else "1 model"
     return "\n".join([
-        "TorchServe is up (127.0.0.1 only, token auth on):",
-        f"  inference   {server.inference_url}/predictions/{model}",
-        f"  OpenAI      {server.inference_url}/predictions/{model}/{version}/v1  (base_url)",
+        f"TorchServe is up (127.0.0.1 only, token auth on), serving {served}:",
+        *urls,
         f"  management  {server.management_url}  (model API off)",
         f"  metrics     {server.metrics_url}/metrics  (Prometheus, no token)",
         f"  tokens      {server.run_dir / 'key_file.json'}  (\"inference\" key for requests)",
@@ -356,13 +458,16 @@ def describe(server: Server, model: str, run_dir: str) -> str:
     ])
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def _serve(args: argparse.Namespace) -> int:
     server = start(Path(args.model_store), args.models or [], Path(args.run_dir),
                    workers=args.workers, ready_timeout_s=args.timeout,
                    extra_props={"install_py_dep_per_model": "true"}
-                   if args.install_py_dep_per_model else None)
-    model = (args.models or ["MODEL"])[0].split("=")[0]
-    print(describe(server, model, args.run_dir))
+                   if args.install_py_dep_per_model else None, progress=_say)
+    print(describe(server, server.models, args.run_dir))
     return 0
 
 

@@ -1,5 +1,5 @@
-"""What TorchServe's logs say about a worker that died while loading its model, or a
-frontend that exited during start-up.
+"""TorchServe's logs: how they are routed (LOG4J2_XML), and what they say about a worker
+that died while loading its model, or a frontend that exited during start-up.
 
 TorchServe 0.12 restarts such a worker for ever (with back-off), and its management API
 shows only a worker that is not READY, so `inf2serve serve` reads the logs of its run
@@ -27,6 +27,111 @@ ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\w*\b"
 FRONTEND_OUT = "torchserve.out"
 #: a bind that failed (REST or gRPC port), the one start-up failure a retry can cure
 PORT_TAKEN = "Address already in use"
+
+
+#: TorchServe 0.12's log4j2.xml (frontend/server/src/main/resources/log4j2.xml) with each line
+#: written once. The stock file sends the `org.pytorch.serve` logger to ts_log and, through
+#: Root (additive), to ts_log again and to stdout, and MODEL_LOG / ACCESS_LOG lines to ts_log
+#: as well: every ts_log line twice, ~5.5 KB per request. Here every named logger has its one
+#: file (additivity="false"); stdout (`torchserve.out` under `inf2serve serve`) gets warnings,
+#: and ModelServer's start-up and "Torchserve stopped." lines, which frontend_exit looks for.
+#: Per request that leaves the access log line and next to nothing in ts_log: DEBUG lines
+#: ("Flushing req.cmd PREDICT ...") are off, and so are two INFO lines of no use to a reader:
+#: WorkerLifeCycle's echo of every `[METRICS]` line a worker prints ("result=[METRICS]...", a
+#: dozen per metrics flush; the metrics still reach /metrics) and AsyncBatchAggregator's
+#: "Getting requests from model: ...Model@1a2b3c" at every poll. Appender names, patterns
+#: and rolling policies are the stock ones; LOG_LOCATION / METRICS_LOCATION work as there.
+LOG4J2_XML = """<?xml version="1.0" encoding="UTF-8"?>
+<!-- written by inf2serve (archive_tools/ts_logs.py): TorchServe's log4j2.xml, each line once -->
+<Configuration>
+  <Appenders>
+    <Console name="STDOUT" target="SYSTEM_OUT">
+      <PatternLayout pattern="%d{ISO8601} [%-5p] %t %c - %m%n"/>
+    </Console>
+{appenders}  </Appenders>
+  <Loggers>
+    <Logger name="ACCESS_LOG" level="info" additivity="false">
+      <AppenderRef ref="access_log"/>
+    </Logger>
+    <Logger name="MODEL_LOG" level="all" additivity="false">
+      <AppenderRef ref="model_log"/>
+    </Logger>
+    <Logger name="MODEL_METRICS" level="all" additivity="false">
+      <AppenderRef ref="model_metrics"/>
+    </Logger>
+    <Logger name="TS_METRICS" level="all" additivity="false">
+      <AppenderRef ref="ts_metrics"/>
+    </Logger>
+    <Logger name="org.pytorch.serve" level="info" additivity="false">
+      <AppenderRef ref="ts_log"/>
+      <AppenderRef ref="STDOUT" level="warn"/>
+    </Logger>
+    <Logger name="org.pytorch.serve.ModelServer" level="info" additivity="false">
+      <AppenderRef ref="ts_log"/>
+      <AppenderRef ref="STDOUT"/>
+    </Logger>
+    <Logger name="org.pytorch.serve.wlm.WorkerLifeCycle" level="warn" additivity="false">
+      <AppenderRef ref="ts_log"/>
+      <AppenderRef ref="STDOUT"/>
+    </Logger>
+    <Logger name="org.pytorch.serve.wlm.AsyncBatchAggregator" level="warn" additivity="false">
+      <AppenderRef ref="ts_log"/>
+      <AppenderRef ref="STDOUT"/>
+    </Logger>
+    <Logger name="io.netty" level="error"/>
+    <Logger name="org.apache" level="off"/>
+    <Root level="info">
+      <AppenderRef ref="ts_log"/>
+      <AppenderRef ref="STDOUT" level="warn"/>
+    </Root>
+  </Loggers>
+</Configuration>
+"""
+_APPENDER = """    <RollingFile name="{name}" fileName="${{env:{env}:-logs}}/{name}.log"
+                 filePattern="${{env:{env}:-logs}}/{name}.%d{{dd-MMM}}.log.gz">
+      <PatternLayout pattern="{pattern}"/>
+      <Policies>
+        <SizeBasedTriggeringPolicy size="100 MB"/>
+        <TimeBasedTriggeringPolicy/>
+      </Policies>
+      <DefaultRolloverStrategy max="5"/>
+    </RollingFile>
+"""
+_FULL, _SHORT = "%d{ISO8601} [%-5p] %t %c - %m%n", "%d{ISO8601} - %m%n"
+_FILES = (("access_log", "LOG_LOCATION", _SHORT), ("model_log", "LOG_LOCATION", _FULL),
+          ("model_metrics", "METRICS_LOCATION", _SHORT), ("ts_log", "LOG_LOCATION", _FULL),
+          ("ts_metrics", "METRICS_LOCATION", _SHORT))
+LOG_CONFIG = "log4j2.xml"
+
+
+def log4j2_xml() -> str:
+    appenders = "".join(_APPENDER.format(name=n, env=e, pattern=p) for n, e, p in _FILES)
+    return LOG4J2_XML.replace("{appenders}", appenders)
+
+
+def write_log_config(directory: Path) -> Path:
+    """Write log4j2.xml into `directory` (for `torchserve --log-config`, or the
+    LOG4J_CONFIGURATION_FILE environment variable of a stock `torchserve` command)."""
+    path = Path(directory) / LOG_CONFIG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(log4j2_xml())
+    return path
+
+
+def last_worker_line(run_dir: Path, model: str, sizes: dict[str, int],
+                     tail_bytes: int = 65536) -> str:
+    """The last line a worker of `model` wrote to model_log since `sizes` (its tail only):
+    what `serve` shows while the model loads or compiles."""
+    path = run_dir / "logs" / "model_log.log"
+    if not path.exists():
+        return ""
+    start = max(sizes.get("model_log.log", 0), path.stat().st_size - tail_bytes)
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode("utf-8", errors="replace")
+    marker = re.compile(rf"W-\d+-{re.escape(model)}_[^_\s]+-std(?:out|err) MODEL_LOG - (.*)")
+    found = [m.group(1).strip() for m in map(marker.search, text.splitlines()) if m]
+    return next((line for line in reversed(found) if line), "")
 
 
 def _path(run_dir: Path, name: str) -> Path:

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from archive_tools.load_checks import check_load, read_model_config
 from archive_tools.neuron_sizing import (
     COMPILER_GIB_PER_GRAPH,
     HOST_RESERVED_GIB,
@@ -35,7 +36,7 @@ from archive_tools.neuron_sizing import (
 )
 from handlers.backends import capabilities_for
 from handlers.backends.capabilities import check_defaults
-from handlers.config import ModelConfig, load_config
+from handlers.config import ModelConfig
 from handlers.errors import ConfigError
 from neuron_cache.key import context_buckets
 
@@ -168,11 +169,18 @@ def layout_warnings(layout: HeadLayout, unpadded: list[int]) -> list[str]:
                    f"{layout.heads_padded - layout.heads} zero heads: "
                    f"+{layout.padding:.1%} attention compute and weights){kv}; {avoid}")
     if layout.kv_heads != layout.heads and layout.kv_heads_used != layout.kv_heads:
-        out.append(f"tp_degree {tp}: {layout.kv_heads} K/V heads do not divide over {tp} cores; "
-                   f"transformers-neuronx replicates them {layout.replication:g}x to "
-                   f"{layout.kv_heads_used} ({layout.kv_cache_heads // tp} per NeuronCore in the "
-                   f"KV cache, which is {layout.kv_cache_heads / layout.kv_heads:g}x the "
-                   "unreplicated size)")
+        # copies of each head first (none where the library only pads: used is then no
+        # multiple of kv), then zero heads up to the cache's size (neuron_sizing.head_layout);
+        # per core and the size factor count both
+        kv, used, cache = layout.kv_heads, layout.kv_heads_used, layout.kv_cache_heads
+        copies = used // kv if used % kv == 0 else 1
+        zero = cache - kv * copies
+        steps = [f"replicates them {copies}x to {kv * copies}"] if copies > 1 else []
+        if zero:
+            steps.append(f"pads them with {zero} zero head{'s' if zero > 1 else ''} to {cache}")
+        out.append(f"tp_degree {tp}: {kv} K/V heads do not divide over {tp} cores; "
+                   f"transformers-neuronx {' and '.join(steps)} ({cache // tp} per NeuronCore "
+                   f"in the KV cache, which is {cache / kv:.3g}x the unreplicated size)")
     return out
 
 
@@ -423,17 +431,35 @@ def validate_nxdi(cfg: ModelConfig, arch: Arch | None, instance: str | None,
         report.warnings.append(f"host memory (estimate): {fe.max_workers} worker(s) loading "
                                f"{label} need about {load:.1f} GiB but {instance} has "
                                f"{where.host_gib} GiB; use a larger instance or fewer workers")
+    if h.neuron.quantization.weights:
+        # save_quantized_state_dict loads the whole HF model (no torch_dtype: float32) to
+        # quantize it, once, before the compile (models/application_base.py:L770-L790)
+        quantize = arch.params * 4 / 2**30 + nx.WORKER_PROCESS_GIB
+        report.notes.append(f"host memory (estimate): writing the {h.neuron.quantization.weights}"
+                            f" checkpoint loads the model in float32 once: {quantize:.1f} GiB")
+        if quantize > where.host_gib:
+            report.warnings.append(
+                f"host memory (estimate): quantizing {label} for NxD Inference loads it in "
+                f"float32 ({quantize:.1f} GiB) but {instance} has {where.host_gib} GiB; run "
+                "`inf2serve compile` on a larger host and ship the cache "
+                "(`inf2serve cache pack`)")
     return report
 
 
 def _run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
-    check_defaults(cfg.handler, capabilities_for(cfg.handler))
+    _, cfg, _ = read_model_config(Path(args.config))  # an empty file is refused, as by package
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    # with a checkpoint: everything `package` and the worker's start refuse, refused here
+    loaded = check_load(Path(args.config), checkpoint) if checkpoint else None
+    if loaded is not None:
+        cfg = loaded.config  # with the checkpoint's generation defaults
+    check_defaults(cfg.handler, capabilities_for(cfg.handler))
     arch = resolve_arch(cfg, checkpoint, Path(args.model_json) if args.model_json else None)
     label = cfg.handler.neuron.architecture or "the model"
     weights = checkpoint_weights(checkpoint) if checkpoint else None
     report = validate(cfg, arch, args.instance, label, weights)
+    if loaded is not None:
+        report.notes[:0], report.warnings[:0] = loaded.notes, loaded.warnings
     for kind, lines in (("note", report.notes), ("warning", report.warnings),
                         ("error", report.problems)):
         for line in lines:
@@ -462,7 +488,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="model-config.yaml")
     p.add_argument("--instance", help=f"one of {', '.join(INSTANCES)}")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", help="checkpoint directory (reads its config.json and sees "
-                                          "how its weights are stored)")
+    src.add_argument("--checkpoint", help="serving checkpoint directory: runs the load checks "
+                     "of `package` and the worker (weights headers, positions, tokenizer, chat "
+                     "template, generation defaults) and reads its config.json")
     src.add_argument("--model-json", help="a config.json of the model")
     p.set_defaults(func=_run)

@@ -47,6 +47,9 @@ LLAMA3_CHAT = (
 )
 
 PRESETS: dict[str, str] = {"llama-2": LLAMA2_CHAT, "llama-3": LLAMA3_CHAT}
+#: the remedy for a model without a chat template: packaging warns with it, a chat request
+#: is answered 400 with it (a base model needs no template; completions still work)
+NO_TEMPLATE_FIX = f"set handler.chat_template ({', '.join(PRESETS)}) or use /v1/completions"
 
 
 def is_inline(setting: str) -> bool:
@@ -83,10 +86,9 @@ def template_for(tokenizer: Any, setting: str) -> str:
     template = configured or getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):  # named templates: use the default one
         template = template.get("default", "")
-    if not template:
-        raise RequestError("messages", "this model has no chat template; set handler."
-                           f"chat_template in model-config.yaml to a preset "
-                           f"({', '.join(PRESETS)}), inline Jinja or a file name", status=500)
+    if not template:  # the client's choice of endpoint, not a server fault: 400
+        raise RequestError("messages", "no chat template: this model answers "
+                           f"/v1/chat/completions with 400; {NO_TEMPLATE_FIX}")
     return template
 
 

@@ -62,7 +62,11 @@ class TextFramer:
 
 
 class NdjsonFramer:
-    """One JSON object per line; the last one carries finish_reason and usage."""
+    """One JSON object per line; the last one carries finish_reason and usage.
+
+    Each `chunk` frames all the text one HTTP chunk carries, so every HTTP chunk is exactly
+    one object: what TorchServe's own LLM clients expect (they `json.loads` each chunk that
+    `requests`' `iter_content(chunk_size=None)` yields and read its `text`)."""
 
     content_type = "application/x-ndjson"
     streaming = True

@@ -40,12 +40,16 @@ class Api(Protocol):
 
 
 class NativeApi:
-    """`POST /predictions/{model}`: {"prompt", "max_new_tokens", ...} or plain text."""
+    """`POST /predictions/{model}`: {"prompt", "max_new_tokens", ...}, plain text, or a JSON
+    string (the prompt). The dialect of TorchServe's LLM examples ({"prompt", "max_tokens"},
+    every streamed chunk read as one JSON object) is understood too: without a
+    `stream_format` it streams NDJSON (request.default_stream_format)."""
 
     error_framer: Framer = TextFramer()
 
     def prepare(self, payload: Any, content_type: str, service: Any) -> Prepared:
-        request = parse_request(decode_body(payload, content_type), service.config.handler)
+        body = decode_body(payload, content_type, string_is_prompt=True)
+        request = parse_request(body, service.config.handler)
         check_sampling(request.sampling, service.limits.capabilities)
         framer = native_framer(request.stream, request.stream_format, request.details)
         return Prepared(request, service.encode(request.prompt), framer)

@@ -39,6 +39,12 @@ class GenerationRequest:
 
 FIELDS = ("prompt", "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "stop",
           "seed", "stream", "stream_format", "details", "timeout")
+#: other names of FIELDS: what TorchServe's LLM examples send (its vLLM handler hands the body
+#: to vLLM's SamplingParams, whose name `max_tokens` is)
+ALIASES = {"max_tokens": "max_new_tokens"}
+#: the sampling ranges a request may ask for (docs/request-api.md states them)
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1_000_000
 
 
 def closest_hint(name: str, valid: tuple[str, ...]) -> str:
@@ -47,8 +53,13 @@ def closest_hint(name: str, valid: tuple[str, ...]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def decode_body(data: Any, content_type: str = "") -> dict[str, Any]:
-    """TorchServe hands us a dict (JSON it decoded), a str (text/*) or raw bytes."""
+def decode_body(data: Any, content_type: str = "", *,
+                string_is_prompt: bool = False) -> dict[str, Any]:
+    """TorchServe hands us a dict (JSON it decoded), a str (text/*, or a JSON string it
+    decoded), another JSON value it decoded, or raw bytes.
+
+    `string_is_prompt`: a body that is a JSON string (`"hello"`) is the prompt (the native
+    API); otherwise it is refused with what to send instead."""
     if isinstance(data, dict):
         return check_text(data)
     if isinstance(data, (bytes, bytearray)):
@@ -57,35 +68,54 @@ def decode_body(data: Any, content_type: str = "") -> dict[str, Any]:
         except UnicodeDecodeError as exc:
             raise RequestError("body", f"not valid UTF-8 (byte {exc.start})") from exc
         if "json" in content_type or data.lstrip().startswith("{"):
-            return _json_object(data)
-    if isinstance(data, str):
-        if "json" in content_type:
-            return _json_object(data)
+            return _json_object(_json_value(data), string_is_prompt)
         return {"prompt": data}
+    if isinstance(data, str):
+        if "json" not in content_type:
+            return {"prompt": data}
+        if data.lstrip().startswith("{"):  # JSON text handed over undecoded
+            return _json_object(_json_value(data), string_is_prompt)
+        # TorchServe decodes application/json itself (otf_message_handler.py:332-336): a str
+        # here is what the body was, a JSON string
+        return _json_object(data, string_is_prompt)
     if data is None:
         if "form" in content_type:
             raise RequestError("body", f"{content_type} bodies are parsed as forms by "
                                "TorchServe; send -H 'Content-Type: application/json' (or "
                                "text/plain) with `curl -d`")
         raise RequestError("body", "empty request; send JSON {\"prompt\": ...} or plain text")
-    raise RequestError("body", f"expected a JSON object, got {type(data).__name__}")
+    return _json_object(data, string_is_prompt)  # a list, number or boolean TorchServe decoded
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def _json_value(text: str) -> Any:
     """TorchServe's worker parses application/json itself and hands over the raw bytes when
     that fails (ts/protocol/otf_message_handler.py:332-343), e.g. on JSON nested too deeply
     for Python's recursion limit or an integer of more than 4300 digits: the same errors here
     are the client's, not ours."""
     try:
-        obj = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise RequestError("body", f"malformed JSON: {exc.msg} at position {exc.pos}") from exc
     except RecursionError as exc:
         raise RequestError("body", "JSON nested too deeply; a request is a flat object") from exc
     except ValueError as exc:  # e.g. an integer beyond sys.get_int_max_str_digits()
         raise RequestError("body", f"unreadable JSON: {exc}") from exc
+
+
+def _json_object(obj: Any, string_is_prompt: bool = False) -> dict[str, Any]:
+    """A decoded body as a request object: a JSON string is the prompt where the API allows
+    it; anything else but an object is refused saying what to send."""
+    if isinstance(obj, str) and string_is_prompt:
+        return check_text({"prompt": obj})
+    if isinstance(obj, str):
+        raise RequestError("body", "the body is a JSON string; send a JSON object, e.g. "
+                           "{\"prompt\": \"...\"}")
     if not isinstance(obj, dict):
-        raise RequestError("body", f"expected a JSON object, got {type(obj).__name__}")
+        kind = {list: "array", bool: "boolean", int: "number", float: "number"}.get(
+            type(obj), type(obj).__name__)
+        raise RequestError("body", f"expected a JSON object, got a JSON {kind}; send "
+                           "{\"prompt\": \"...\"}" + (" or the prompt as a JSON string"
+                                                    if string_is_prompt else ""))
     return check_text(obj)
 
 
@@ -163,11 +193,34 @@ def _timeout(body: dict, config: HandlerConfig) -> float | None:
     return float(value)
 
 
+def _max_name(body: dict[str, Any]) -> str:
+    """Which name carries the token budget: `max_new_tokens`, or its alias `max_tokens`; both
+    with different values is a 400 naming both."""
+    if "max_tokens" not in body:
+        return "max_new_tokens"
+    if "max_new_tokens" not in body:
+        return "max_tokens"
+    if body["max_tokens"] != body["max_new_tokens"] or type(body["max_tokens"]) is not type(
+            body["max_new_tokens"]):
+        raise RequestError("max_tokens", f"max_tokens {body['max_tokens']!r} and max_new_tokens "
+                           f"{body['max_new_tokens']!r} differ; max_tokens is an alias of "
+                           "max_new_tokens, so send one of them")
+    return "max_new_tokens"
+
+
+def default_stream_format(body: dict[str, Any], configured: str) -> str:
+    """The framing of a request that names no `stream_format`: NDJSON (one JSON object per
+    chunk) for the dialect of TorchServe's LLM examples, whose clients send `max_tokens` and
+    json.loads every chunk they read (examples/large_models/utils/
+    test_llm_streaming_response.py); else the configured one (raw text, for `curl -N`)."""
+    return "ndjson" if "max_tokens" in body else configured
+
+
 def parse_request(body: dict[str, Any], config: HandlerConfig,
                   extra_fields: tuple[str, ...] = ()) -> GenerationRequest:
     """Validate a decoded body against the configured defaults and limits."""
     for key in body:
-        if key not in FIELDS and key not in extra_fields:
+        if key not in FIELDS and key not in ALIASES and key not in extra_fields:
             raise RequestError(str(key), f"unknown field{closest_hint(key, FIELDS)} "
                                f"(valid: {', '.join(FIELDS)})")
     d = config.defaults
@@ -179,14 +232,14 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
                            f"tokens fit (handler.max_length), and prompts over "
                            f"{config.max_length * MAX_CHARS_PER_TOKEN} characters are refused "
                            "untokenized")
-    max_new = _int(body, "max_new_tokens", d.max_new_tokens, 1, config.max_new_tokens_limit)
+    max_new = _int(body, _max_name(body), d.max_new_tokens, 1, config.max_new_tokens_limit)
     min_new = _int(body, "min_new_tokens", min(d.min_new_tokens, max_new), 0, max_new)
     seed = body.get("seed", d.seed)
     if seed is not None:
         seed = _int(body, "seed", seed, 0, MAX_SEED)
     sampling = SamplingParams(
-        temperature=bounded_float(body, "temperature", d.temperature, 0.0, 100.0),
-        top_k=_int(body, "top_k", d.top_k, 0, 1_000_000),
+        temperature=bounded_float(body, "temperature", d.temperature, 0.0, MAX_TEMPERATURE),
+        top_k=_int(body, "top_k", d.top_k, 0, MAX_TOP_K),
         top_p=bounded_float(body, "top_p", d.top_p, 0.0, 1.0, lo_open=True),
         seed=seed,
         min_new_tokens=min_new,
@@ -194,7 +247,7 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
     stream = body.get("stream", d.stream)
     if not isinstance(stream, bool):
         raise RequestError("stream", f"expected true or false, got {stream!r}")
-    fmt = body.get("stream_format", d.stream_format)
+    fmt = body.get("stream_format", default_stream_format(body, d.stream_format))
     if fmt not in ("text", "ndjson"):
         raise RequestError("stream_format", f"{fmt!r} is not allowed; choose 'text' or 'ndjson'")
     details = body.get("details", d.details)

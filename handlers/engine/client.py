@@ -32,6 +32,11 @@ daemonic process may not have children.
 
 NeuronCores are claimed here, by the worker, for its whole life; the engine process
 runs on that block and a restart gets it back (no other worker can take it meanwhile).
+
+The worker can die too. `hand_over` gives each engine process a duplicate of TorchServe's
+socket, and each request goes with its `LastWords` (set in `LAST_WORDS` around `submit`):
+when the worker dies, the engine process answers for it on that socket
+(handlers/engine/process.Farewell), then exits.
 """
 
 from __future__ import annotations
@@ -42,12 +47,15 @@ import itertools
 import logging
 import multiprocessing
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import send_handle
 from pathlib import Path
 
 from handlers.backends.base import Backend
@@ -60,7 +68,9 @@ from handlers.engine.messages import (
     Cancel,
     EngineRequest,
     FromEngine,
+    FrontendSocket,
     Heartbeat,
+    LastWords,
     LoadFailed,
     ModelLimits,
     Ready,
@@ -79,6 +89,9 @@ RESTART_BACKOFF_S = (1, 2, 5, 10, 30, 60)
 #: how often a reader with nothing to read checks that the process is alive; a forked
 #: grandchild (a compiler) can keep the pipe open after the process itself died
 POLL_S = 0.5
+#: the last words of the request being submitted: the TorchServe handler sets them around
+#: its `submit` call (whose signature is the engine handle's), `EngineClient.submit` reads them
+LAST_WORDS: ContextVar[LastWords | None] = ContextVar("inf2serve_last_words", default=None)
 
 
 @dataclass(eq=False)
@@ -88,6 +101,7 @@ class _Request:
     request: EngineRequest
     sink: Sink
     sent_to: int | None = None  # the engine process (incarnation) it went to; None: waiting
+    last_words: LastWords | None = None  # sent with it, where the socket was handed over
 
 
 class EngineClient:
@@ -116,6 +130,8 @@ class EngineClient:
         self._heard = time.monotonic()
         self._busy_s = 0.0
         self._step_timeout_s = spec.config.handler.effective_step_timeout_s
+        #: TorchServe's socket and closing message, once handed over (`hand_over`)
+        self._frontend: tuple[socket.socket, bytes] | None = None
 
     @classmethod
     def start(cls, config: ModelConfig, model_dir: Path, observer: Observer | None = None,
@@ -155,12 +171,16 @@ class EngineClient:
                 raise CapacityError(f"{len(self._requests)} requests are in flight (handler."
                                     f"batch_size + handler.max_queue = {self._capacity}); "
                                     "retry later or add workers")
-            entry = self._requests[request.request_id] = _Request(request, sink)
+            words = LAST_WORDS.get()
+            if words is not None and words.request_id != request.request_id:
+                words = None
+            entry = self._requests[request.request_id] = _Request(request, sink,
+                                                                  last_words=words)
             conn = self._conn
             if conn is not None:
                 entry.sent_to = self._incarnation
         if conn is not None:
-            self._send(conn, request)
+            self._send_request(conn, entry)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -174,6 +194,17 @@ class EngineClient:
             _emit(entry, ErrorEvent(499, "cancelled"))
         elif conn is not None:  # else the dead process's requests are being answered
             self._send(conn, Cancel(request_id))
+
+    def hand_over(self, sock: socket.socket, closing: bytes) -> None:
+        """Give this engine process, and each one after it, a duplicate of TorchServe's socket
+        to the frontend: if the worker dies, the engine process answers its requests there
+        (their `LastWords`, then `closing`) and closes it. Only once the worker is gone: while
+        it lives, it alone writes."""
+        with self._lock:
+            self._frontend = (sock, closing)
+            conn, proc = self._conn, self._proc
+        if conn is not None:
+            self._send_socket(conn, proc.pid, self._frontend)
 
     def stop(self, timeout_s: float = 10) -> None:
         """Stop the engine process; requests still in flight get a 503."""
@@ -222,8 +253,11 @@ class EngineClient:
             waiting = [r for r in self._requests.values() if r.sent_to is None]
             for entry in waiting:
                 entry.sent_to = self._incarnation
+            frontend = self._frontend
+        if frontend is not None:  # before the requests, so their last words are kept
+            self._send_socket(conn, proc.pid, frontend)
         for entry in waiting:
-            self._send(conn, entry.request)
+            self._send_request(conn, entry)
 
     def _supervise(self) -> None:
         """Relay the engine process's messages; answer for it and restart it when it dies,
@@ -344,6 +378,27 @@ class EngineClient:
         with self._send_lock:
             try:
                 conn.send(message)
+            except OSError:  # the process died: the reader answers for it
+                pass
+
+    def _send_request(self, conn: Connection, entry: _Request) -> None:
+        """The request, after its last words (one lock: nothing comes between them)."""
+        with self._send_lock:
+            try:
+                if entry.last_words is not None:
+                    conn.send(entry.last_words)
+                conn.send(entry.request)
+            except OSError:  # the process died: the reader answers for it
+                pass
+
+    def _send_socket(self, conn: Connection, pid: int,
+                     frontend: tuple[socket.socket, bytes]) -> None:
+        """`FrontendSocket`, then the socket's fd itself (SCM_RIGHTS), nothing between."""
+        sock, closing = frontend
+        with self._send_lock:
+            try:
+                conn.send(FrontendSocket(closing))
+                send_handle(conn, sock.fileno(), pid)
             except OSError:  # the process died: the reader answers for it
                 pass
 

@@ -69,6 +69,29 @@ class Stop:
     """Stop the engine; the engine process exits after it."""
 
 
+@dataclass(frozen=True)
+class FrontendSocket:
+    """TorchServe's socket to the frontend follows this message on the pipe (a duplicate fd,
+    SCM_RIGHTS: multiprocessing.reduction.send_handle). The engine process never touches it
+    while the worker lives; once the worker is gone (the pipe closed) it writes each
+    request's `LastWords`, then `closing`, and closes it: the frontend answers what was in
+    flight and restarts the worker, which otherwise nobody would (docs/design.md)."""
+
+    closing: bytes  # a TorchServe message that errors every request still in flight
+
+
+@dataclass(frozen=True)
+class LastWords:
+    """What the engine process writes to TorchServe for one request if the worker dies:
+    whole TorchServe messages the worker encoded (the engine process knows no framing).
+    Sent just before the request's `EngineRequest`."""
+
+    request_id: str
+    silent: bytes  # while none of its text has gone out: its whole answer, a 500
+    spoken: bytes | None  # once some text went out: an in-band error that ends the stream
+    # (None: not streamed, nothing goes out before the end)
+
+
 # -- engine -> worker -----------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -123,7 +146,7 @@ class StepOutputs:
     observations: list[Observation] = field(default_factory=list)
 
 
-ToEngine = EngineRequest | Cancel | Stop
+ToEngine = EngineRequest | Cancel | Stop | FrontendSocket | LastWords
 FromEngine = Ready | LoadFailed | StepOutputs | Heartbeat
 
 

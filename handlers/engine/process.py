@@ -12,6 +12,10 @@ and `Stop`, and answers once `Ready` (or `LoadFailed`), then one `StepOutputs` p
 engine step -- every event and metric observation of the step in one message (vLLM's
 engine core batches its outputs the same way), the text events as plain fields.
 Detokenization and stop strings stay with the sequence, here.
+
+When the worker itself dies, this process answers for it (`Farewell`): the worker hands
+it a duplicate of TorchServe's socket and, with each request, the TorchServe messages
+that answer it with a 500; once the pipe closes they go out, and the socket is closed.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import NoReturn
 
 from handlers.engine.core import Engine
 from handlers.engine.messages import (
@@ -31,7 +38,9 @@ from handlers.engine.messages import (
     Cancel,
     EngineRequest,
     FinalItem,
+    FrontendSocket,
     Heartbeat,
+    LastWords,
     LoadFailed,
     Observation,
     Ready,
@@ -45,12 +54,105 @@ from handlers.errors import CapacityError
 
 logger = logging.getLogger(__name__)
 
+#: how long the last words may take to write: a frontend that reads nothing gets no more
+SAY_TIMEOUT_S = 2.0
+
+
+class Farewell:
+    """What this process says on TorchServe's socket when the worker dies.
+
+    A TorchServe 0.12 frontend notices a worker's death only when the worker's socket
+    closes, and then answers none of the requests it had sent there: they stay in its
+    in-flight map (pytorch/serve@v0.12.0:frontend/server/src/main/java/org/pytorch/serve/
+    wlm/AsyncWorkerThread.java:129-153, :187-200). Holding a duplicate of that socket, this
+    process keeps it open past the worker's death; once the pipe closes (the worker is gone,
+    so nobody else writes) it writes each of its requests' `LastWords` -- the in-band error
+    if some of its text reached the worker, else the whole 500 -- then the worker's
+    closing message, which errors every other request in the frontend's map (one the worker
+    was still preparing, or whose end it had not yet written), and closes the socket: the
+    frontend restarts the worker. A request leaves the book when its last event reaches
+    the pipe or the worker cancels it: after that the worker may have ended it, and the
+    frontend fails on an answer for a request it no longer has (AsyncBatchAggregator.java:
+    92-97) -- the closing message covers those.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # held while the words go out: the process exits after
+        self._sock: socket.socket | None = None
+        self._closing = b""
+        self._words: dict[str, LastWords] = {}
+        self._spoken: set[str] = set()  # requests some of whose text reached the pipe
+
+    def arm(self, sock: socket.socket, closing: bytes) -> None:
+        with self._lock:
+            old, self._sock, self._closing = self._sock, sock, closing
+        if old is not None:
+            old.close()
+
+    def expect(self, words: LastWords) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._words[words.request_id] = words
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._words.pop(request_id, None)
+            self._spoken.discard(request_id)
+
+    def sent(self, texts: list[TextItem], finals: list[FinalItem]) -> None:
+        """A step's events reached the pipe: their text may be on the frontend's wire, and
+        ended requests are the worker's to end."""
+        if not self._words:
+            return
+        with self._lock:
+            words, spoken = self._words, self._spoken
+            for request_id, text, _ in texts:
+                if text and request_id in words:
+                    spoken.add(request_id)
+            for request_id, _ in finals:
+                if words.pop(request_id, None) is not None:
+                    spoken.discard(request_id)
+
+    def say(self) -> None:
+        """The worker is gone: every request's last words, the closing message, the close."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+            if sock is None:
+                return
+            spoken = self._spoken
+            answers = [w.spoken if w.spoken is not None and rid in spoken else w.silent
+                       for rid, w in self._words.items()]
+            try:
+                sock.settimeout(SAY_TIMEOUT_S)
+                sock.sendall(b"".join([*answers, self._closing]))
+            except OSError as exc:  # the frontend went away too (a shutdown): nobody to tell
+                logger.error("engine process %d: writing to TorchServe failed: %s",
+                             os.getpid(), exc)
+                return
+            finally:
+                try:
+                    sock.shutdown(socket.SHUT_WR)  # the frontend sees the worker go now
+                except OSError:
+                    pass
+                sock.close()
+        logger.error("engine process %d: the TorchServe worker died; answered its %d "
+                     "request(s) here with a 500 and the frontend's others with its closing "
+                     "message, then closed its socket", os.getpid(), len(answers))
+
+
+def _worker_gone(farewell: Farewell) -> NoReturn:
+    """The pipe closed: the worker died (it closes it only after this process). Answer for
+    it where it handed over its socket, and exit: this process must not outlive it."""
+    farewell.say()
+    os._exit(0)
+
 
 class Outbox:
     """Events and observations of the current step; `flush` sends them as one message."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, farewell: Farewell | None = None) -> None:
         self._conn = conn
+        self.farewell = farewell or Farewell()
         self._lock = threading.Lock()
         self._texts: list[TextItem] = []
         self._finals: list[FinalItem] = []
@@ -76,8 +178,10 @@ class Outbox:
         with self._lock:
             try:
                 self._conn.send(message)
+                return
             except OSError:  # the worker is gone
-                os._exit(0)
+                pass
+        _worker_gone(self.farewell)
 
     def flush(self) -> None:
         with self._lock:
@@ -87,8 +191,12 @@ class Outbox:
             self._texts, self._finals, self._observations = [], [], []
             try:  # under the lock: two threads flush (engine, commands); one send at a time
                 self._conn.send(message)
-            except OSError:  # the worker is gone: nobody is left to answer
-                os._exit(0)
+            except OSError:  # the worker is gone: nobody is left to answer but the farewell
+                pass
+            else:
+                self.farewell.sent(message.texts, message.finals)
+                return
+        _worker_gone(self.farewell)
 
 
 def main(conn: Connection, spec: EngineSpec) -> None:
@@ -121,11 +229,12 @@ def heartbeat(engine: Engine, outbox: Outbox) -> None:
 
 def serve(conn: Connection, engine: Engine, tokenizer, outbox: Outbox) -> None:
     """Apply the worker's commands until it says stop or goes away."""
+    farewell = outbox.farewell
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):  # the worker died: this process must not outlive it
-            os._exit(0)
+            _worker_gone(farewell)
         match message:
             case EngineRequest():
                 sink = outbox.sink(message.request_id)
@@ -134,7 +243,12 @@ def serve(conn: Connection, engine: Engine, tokenizer, outbox: Outbox) -> None:
                 except CapacityError as exc:
                     sink(ErrorEvent(503, str(exc), exc.retry_after_s))
             case Cancel():
+                farewell.forget(message.request_id)  # the worker may end it itself now
                 engine.cancel(message.request_id)
+            case LastWords():  # for the EngineRequest that follows
+                farewell.expect(message)
+            case FrontendSocket():  # its fd follows on the pipe
+                farewell.arm(socket.socket(fileno=recv_handle(conn)), message.closing)
             case Stop():
                 engine.stop()
                 return

@@ -21,8 +21,11 @@ from handlers.api.framing import Framer, native_framer
 from handlers.api.native import Immediate, NativeApi
 from handlers.api.routes import select_api
 from handlers.backends.base import Backend
-from handlers.config import ModelConfig, parse_config
+from handlers.checkpoint_checks import load_worker_config
+from handlers.config import ModelConfig
+from handlers.engine.client import LAST_WORDS, EngineClient
 from handlers.engine.core import Observer
+from handlers.engine.messages import LastWords
 from handlers.engine.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.errors import CapacityError, RequestError
 from handlers.torchserve import worker_service
@@ -35,6 +38,9 @@ logger = logging.getLogger(__name__)
 TS_STREAM_NEXT = "ts_stream_next"
 #: what `send_intermediate_predict_response` says in a message's header
 INTERMEDIATE = "Intermediate"
+#: what a request hears when the TorchServe worker process dies under it
+WORKER_DIED = ("the TorchServe worker process died; it is being restarted, retry the request "
+               "once it is back (seconds, or the model's load time)")
 
 
 class ChunkSender:
@@ -210,13 +216,16 @@ class GenerationHandler:
         self.service: GenerationService | None = None
         self.initialized = False
         self._sender: ChunkSender | None = None
+        self._handed_over = False  # the engine process answers for this worker if it dies
 
     def initialize(self, context: Any) -> None:
-        config = parse_config(context.model_yaml_config)
-        if config.handler.worker_service == "inf2serve" and worker_service.install():
+        model_dir = Path(context.system_properties["model_dir"])
+        # the checks `package` ran, run again on the archive: refused here, before any load
+        config = load_worker_config(context.model_yaml_config, model_dir)
+        if (config.handler.worker_service == "inf2serve"
+                and worker_service.install(on_socket=self._hand_over)):
             logger.info("TorchServe's async requests run through "
                         "handlers/torchserve/worker_service.py")
-        model_dir = Path(context.system_properties["model_dir"])
         overridden = type(self).make_backend is not GenerationHandler.make_backend
         self.service = GenerationService.create(
             config, model_dir, self._observer(context),
@@ -264,9 +273,14 @@ class GenerationHandler:
             # a framer that counts tokens per chunk (OpenAI continuous usage) reads the
             # text events in `stream`; every other answer's text skips the coroutine
             counting = getattr(framer, "counts_tokens", False)
-            events = self.service.submit(context.get_request_id(idx), prepared.request,
-                                         prepared.prompt_ids, asyncio.get_running_loop(),
-                                         on_text=None if counting else writer.add_text)
+            words = LAST_WORDS.set(_last_words(writer.request_id, framer)
+                                   if self._handed_over else None)
+            try:
+                events = self.service.submit(context.get_request_id(idx), prepared.request,
+                                             prepared.prompt_ids, asyncio.get_running_loop(),
+                                             on_text=None if counting else writer.add_text)
+            finally:
+                LAST_WORDS.reset(words)
         except RequestError as exc:
             return writer.fail(exc.status, framer.error(exc.status, exc.message, exc.field))
         except CapacityError as exc:
@@ -305,6 +319,16 @@ class GenerationHandler:
                 retry = {"Retry-After": str(end.retry_after_s)} if end.retry_after_s else None
                 return writer.fail(end.status, framer.error(end.status, end.message), retry)
 
+    def _hand_over(self, sock: Any) -> None:
+        """TorchServe's socket to the engine process, which answers this worker's requests
+        on it if the worker dies (handlers/engine/process.Farewell). Inline, the model dies
+        with the worker: nobody is left to answer."""
+        engine = self.service.engine if self.service is not None else None
+        if isinstance(engine, EngineClient):
+            engine.hand_over(sock, worker_service.closing_message(WORKER_DIED))
+            self._handed_over = True
+            logger.info("the engine process answers for this worker if it dies")
+
     def _sender_for(self, sock: Any) -> ChunkSender:
         """The worker's one sender (one socket, one event loop; tests bring their own)."""
         loop = asyncio.get_running_loop()
@@ -334,6 +358,13 @@ def _subclass_backend(cls: type[GenerationHandler], config: ModelConfig,
                       model_dir: Path) -> Backend | None:
     """A handler subclass's backend, built where the engine runs (picklable: a partial)."""
     return cls().make_backend(config, model_dir)
+
+
+def _last_words(request_id: str, framer: Framer) -> LastWords | None:
+    """The request's answer if the worker dies: its framer's 500, whole or in its stream."""
+    in_stream = framer.error(500, WORKER_DIED, in_stream=True) if framer.streaming else None
+    return worker_service.last_words(request_id, framer.content_type,
+                                     framer.error(500, WORKER_DIED), in_stream)
 
 
 def _payload(item: dict) -> Any:

@@ -18,28 +18,38 @@ request (request ids, RequestProcessor headers and statuses), and the metric cac
 copied shallowly so its request ids are the request's own. Errors answer as
 TorchServe's `predict` does (ts/async_service.py:44-89). `install` swaps it in for the
 rest of the worker's life (`handler.worker_service: torchserve` keeps TorchServe's).
+
+It also tells whoever asked for it (`install(on_socket=...)`) the socket, before the first
+request is read: the handler hands a duplicate to the engine process, which answers for
+this worker if it dies, in messages encoded here (`last_words`, `closing_message`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
+import struct
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
+
+from handlers.engine.messages import LastWords
 
 logger = logging.getLogger(__name__)
 
 
-def install() -> bool:
+def install(on_socket: Callable[[Any], None] | None = None) -> bool:
     """Make TorchServe's async worker run `WorkerService`. Called from the handler's
     initialize, which runs inside the worker's model load; the worker builds its
     AsyncService right after the load, looking the name up in its own (__main__)
     namespace (ts/model_service_worker.py:206-234). False, changing nothing, where
-    that is not the setup (another entry point, a TorchServe that already changed it)."""
+    that is not the setup (another entry point, a TorchServe that already changed it).
+    `on_socket` gets the socket to the frontend before the first request is read."""
     try:
         from ts import async_service
     except ImportError:
@@ -47,7 +57,8 @@ def install() -> bool:
     main = sys.modules.get("__main__")
     if getattr(main, "AsyncService", None) is not async_service.AsyncService:
         return False
-    main.AsyncService = WorkerService
+    main.AsyncService = (WorkerService if on_socket is None
+                         else functools.partial(WorkerService, on_socket=on_socket))
     return True
 
 
@@ -71,8 +82,9 @@ class WorkerService:
     """Replaces ts.async_service.AsyncService (same constructor and `run` contract:
     returns the error text when the connection to the frontend ends)."""
 
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: Any, on_socket: Callable[[Any], None] | None = None) -> None:
         self.service = service
+        self._on_socket = on_socket
         self.loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references
         self._ended: asyncio.Future[str] | None = None
@@ -85,6 +97,11 @@ class WorkerService:
     async def _main(self) -> str:
         self.loop = asyncio.get_running_loop()
         self._ended = self.loop.create_future()
+        if self._on_socket is not None:
+            try:
+                self._on_socket(self.service.cl_socket)
+            except Exception:  # serving goes on; only the worker's death would hang requests
+                logger.exception("handing TorchServe's socket over failed")
         threading.Thread(target=self._read, name="inf2serve-ts-reader", daemon=True).start()
         logger.info("serving TorchServe's async protocol with inf2serve's worker service")
         return await self._ended
@@ -163,3 +180,86 @@ class WorkerService:
         metrics.request_ids = ids
         context.metrics = metrics
         return context
+
+
+# -- what the engine process says for this worker if it dies ----------------------------
+
+class _Reply:
+    """The parts of a request's Context that TorchServe's encoder reads for one prediction
+    (ts/protocol/otf_message_handler.py:95-120)."""
+
+    stopping_criteria = None
+
+    def __init__(self, content_type: str, status: int, headers: dict[str, str]) -> None:
+        self.content_type, self.status, self.headers = content_type, status, headers
+
+    def get_response_content_type(self, idx: int) -> str:
+        return self.content_type
+
+    def get_response_status(self, idx: int) -> tuple[int, str]:
+        return self.status, ""
+
+    def get_response_headers(self, idx: int) -> dict[str, str]:
+        return self.headers
+
+    def set_response_header(self, idx: int, key: str, value: str) -> None:
+        self.headers[key] = value
+
+
+@functools.lru_cache(maxsize=64)
+def _prediction_tail(content_type: str, status: int, stream_next: str | None,
+                     body: str) -> bytes | None:
+    """One prediction as TorchServe's encoder writes it (otf_message_handler.py:79-135), from
+    after its request id: the same for every request of a kind, whose id goes in front.
+    None where this rank sends nothing (LOCAL_RANK != 0, :69-70)."""
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    headers = {} if stream_next is None else {"ts_stream_next": stream_next}
+    msg = create_predict_response({0: body}, {0: ""}, "", 200,
+                                  _Reply(content_type, status, headers),
+                                  ts_stream_next=stream_next == "true")
+    # after the code, the empty message and the empty id; before the end of the list
+    return None if msg is None else bytes(msg[12:-4])
+
+
+def _message(request_id: str, tails: list[bytes]) -> bytes:
+    """A code-200 message of the predictions `tails` for one request."""
+    rid = request_id.encode("utf-8")
+    head = struct.pack("!i", len(rid)) + rid
+    return b"".join([struct.pack("!ii", 200, 0), *(head + t for t in tails),
+                     struct.pack("!i", -1)])
+
+
+def last_words(request_id: str, content_type: str, whole: str,
+               in_stream: str | None) -> LastWords | None:
+    """What the engine process writes to the frontend for this request if the worker dies.
+
+    `silent` (no text went out): a complete response, then `ts_stream_next: false` to take
+    the request out of the frontend's map -- what StreamWriter.fail sends. `spoken` (a
+    stream that may have started): a message saying `ts_stream_next: true`, then the error
+    with `false`. On a started stream that is an empty chunk, then the error as its last
+    chunk (frontend/server/src/main/java/org/pytorch/serve/job/RestJob.java:148-186); on a
+    stream whose first chunk had not gone out after all, a 500 head, after which the
+    frontend closes the connection (util/NettyUtils.java:197-200): an error either way.
+    `in_stream` None: not streamed, `silent` only. None where this rank sends nothing."""
+    end = _prediction_tail("", 200, "false", "")
+    whole_tail = _prediction_tail("application/json", 500, None, whole)
+    if end is None or whole_tail is None:
+        return None
+    spoken = None
+    if in_stream is not None:
+        spoken = _message(request_id, [_prediction_tail(content_type, 500, "true", ""),
+                                       _prediction_tail(content_type, 500, "false", in_stream)])
+    return LastWords(request_id, _message(request_id, [whole_tail, end]), spoken)
+
+
+def closing_message(text: str) -> bytes:
+    """A message with a code other than 200: TorchServe's async frontend errors every request
+    it still has in flight on this worker with it (wlm/AsyncBatchAggregator.java:121-137: a
+    500 with `text` where nothing went out yet; a stream that had started is cut off, the
+    frontend closing its connection after the error it cannot send: util/NettyUtils.java:
+    197-200)."""
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    msg = create_predict_response(None, {}, text, 500)
+    return b"" if msg is None else bytes(msg)

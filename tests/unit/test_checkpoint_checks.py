@@ -167,3 +167,15 @@ def test_inspect_reads_a_pickled_bin_of_an_older_archive(tiny_checkpoint: Path,
     k = summarize(scan(target))["checkpoint"]
     assert (k["layout"], k["params"], k["dtypes"]) == ("pickled .bin", want["params"],
                                                        want["dtypes"])
+
+
+@pytest.mark.parametrize("legacy_split", [False, True])
+def test_prepare_writes_what_the_workers_checks_accept(tiny_checkpoint: Path, tmp_path: Path,
+                                                       legacy_split: bool) -> None:
+    """`prepare`'s output passes the checks every worker runs at its start (headers read,
+    no tensor loaded; the legacy split folder has no safetensors header to read)."""
+    from handlers.checkpoint_checks import check_checkpoint_files
+    from handlers.config import load_config
+
+    out = prep.prepare(tiny_checkpoint, tmp_path / "out", amp="bf16", legacy_split=legacy_split)
+    assert check_checkpoint_files(load_config(CONFIG), out) == []

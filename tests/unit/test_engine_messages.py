@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from handlers.backends.base import Capabilities, SamplingParams
+from handlers.config import parse_config
 from handlers.engine.client import EngineClient
 from handlers.engine.core import Engine
 from handlers.engine.messages import (
@@ -144,7 +145,7 @@ def test_the_outbox_sends_texts_as_fields_and_last_events_apart_once_per_step() 
 
 def client_with(*request_ids: str, observer=None) -> tuple[EngineClient, dict[str, list]]:
     """An EngineClient with no process: the requests wait (no pipe), as during a restart."""
-    client = EngineClient(SimpleNamespace(), observer, capacity=8)
+    client = EngineClient(SimpleNamespace(config=parse_config({})), observer, capacity=8)
     events: dict[str, list] = {}
     for request_id in request_ids:
         events[request_id] = []

@@ -199,11 +199,13 @@ def test_template_file_is_read_from_the_checkpoint_dir(tmp_path) -> None:
         resolve_template("nope.jinja", str(tmp_path))
 
 
-def test_missing_template_is_a_server_error_with_the_fix(tokenizer) -> None:
+def test_a_model_without_a_chat_template_answers_chat_with_a_400_and_the_fix(tokenizer) -> None:
+    """A base model needs no template: chat is refused for the request (a 400 naming the
+    preset to set, or completions to use), not failed as a server error."""
     tok = make_tokenizer()
     with pytest.raises(RequestError, match="handler.chat_template") as info:
         render_chat(tok, CHAT)
-    assert info.value.status == 500
+    assert info.value.status == 400 and "/v1/completions" in info.value.message
 
 
 def test_template_exceptions_are_400_on_messages(service) -> None:
@@ -399,7 +401,7 @@ SYNTH = {"backend": "synthetic", "synthetic": {"preset": "llama-2-7b-tp24"}}
     ({"backend": "neuron", "batching": "micro"}, {"ignore_eos": True}, "ignore_eos"),
     ({"backend": "neuron", "batching": "micro"}, {"min_tokens": 1}, "min_tokens"),
     ({"backend": "neuron"}, {"logprobs": 1, "echo": True}, "echo"),
-    ({"backend": "nxdi", "nxdi": {"on_device_sampling": True}}, {"presence_penalty": 1},
+    ({"backend": "nxdi", "neuron": {"on_device_sampling": True}}, {"presence_penalty": 1},
      "presence_penalty"),
 ])
 def test_a_backend_that_cannot_honour_a_field_refuses_it_by_name(tokenizer, handler, body,
@@ -412,7 +414,7 @@ def test_a_backend_that_cannot_honour_a_field_refuses_it_by_name(tokenizer, hand
 @pytest.mark.parametrize("handler, body", [
     ({"backend": "neuron"}, {"repetition_penalty": 1.1, "logprobs": 2, "ignore_eos": True}),
     ({"backend": "nxdi"}, {"frequency_penalty": 1.0, "logprobs": 1}),
-    ({"backend": "nxdi", "nxdi": {"on_device_sampling": True}}, {"ignore_eos": True}),
+    ({"backend": "nxdi", "neuron": {"on_device_sampling": True}}, {"ignore_eos": True}),
     (SYNTH, {"ignore_eos": True, "min_tokens": 1, "echo": True}),
 ])
 def test_backends_that_sample_on_the_host_take_them(tokenizer, handler, body) -> None:

@@ -37,7 +37,7 @@ def test_json_body_as_bytes_without_content_type():
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_format": "sse"}, "stream_format"),
-    ({"prompt": "x", "max_tokens": 5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 65}, "max_tokens"),  # the alias, over the limit
     ({"prompt": "x", "min_new_tokens": 17}, "min_new_tokens"),
 ])
 def test_bad_fields_name_the_field_and_range(body, field):

@@ -14,6 +14,7 @@ from archive_tools.validate_cmd import (
     ARCHITECTURES,
     INSTANCES,
     Arch,
+    arch_from_config_json,
     checkpoint_weights,
     validate,
 )
@@ -153,8 +154,9 @@ def test_kv_replication_is_a_warning_with_the_numbers() -> None:
     arch = ARCHITECTURES["llama-2-70b"]  # 64 heads, 8 K/V heads
     assert validate(_cfg(tp_degree=8, batch_size=1), arch, None).warnings == []
     twelve = validate(_cfg(tp_degree=12, batch_size=1), arch, None).warnings
-    assert any("replicates them 8x to 64 (6 per NeuronCore in the KV cache, which is 9x the "
-               "unreplicated size)" in w for w in twelve)  # padded to 72 cache heads
+    assert any("replicates them 8x to 64 and pads them with 8 zero heads to 72 (6 per "
+               "NeuronCore in the KV cache, which is 9x the unreplicated size)" in w
+               for w in twelve)
 
 
 def test_shard_over_batch_falls_back_like_the_library() -> None:
@@ -201,31 +203,49 @@ def test_one_graph_at_a_time_fits_xlarge(tmp_path: Path, capsys) -> None:
     assert "compiling 8.5 GiB of 16 GiB" in out and "warning" not in out
 
 
-def _checkpoint(tmp_path: Path, dtype: str, *files: str) -> Path:
+EMPTY_SAFETENSORS = (2).to_bytes(8, "little") + b"{}"  # a valid file of no tensors
+
+
+def _checkpoint(tmp_path: Path, dtype: str, *files: str, tokenizer_from: Path | None = None
+                ) -> Path:
+    """A Llama-2-7B config.json, the tokenizer of `tokenizer_from`, and weight files that
+    hold nothing (safetensors with an empty header; other files empty)."""
+    import shutil
+
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-        "vocab_size": 32000, "intermediate_size": 11008, "max_position_embeddings": 4096,
-        "torch_dtype": dtype}))
+        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+        "num_attention_heads": 32, "vocab_size": 32000, "intermediate_size": 11008,
+        "max_position_embeddings": 4096, "torch_dtype": dtype}))
     for name in files:
-        (ckpt / name).write_bytes(b"")
+        (ckpt / name).write_bytes(EMPTY_SAFETENSORS if name.endswith(".safetensors") else b"")
+    for f in (tokenizer_from.iterdir() if tokenizer_from else ()):
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, ckpt / f.name)
     return ckpt
 
 
-def test_a_whole_pytorch_model_bin_on_xlarge_warns_about_loading(tmp_path: Path, capsys) -> None:
-    ckpt = _checkpoint(tmp_path, "float32", "pytorch_model.bin")
+def test_pickled_weights_alone_are_refused_with_the_fix_and_would_not_fit_xlarge(
+        tmp_path: Path, capsys, tiny_checkpoint: Path) -> None:
+    """A pytorch_model.bin checkpoint is refused by the same checks package runs (prepare
+    converts it); were it served, torch.load() would read it whole: 29.1 GiB on a 16 GiB
+    host, which the host-memory estimate still says."""
+    ckpt = _checkpoint(tmp_path, "float32", "pytorch_model.bin", tokenizer_from=tiny_checkpoint)
     cfg = _xlarge(tmp_path, 1)
     assert main(["validate", str(cfg), "--instance", "inf2.xlarge", "--checkpoint",
-                 str(ckpt)]) == 0
-    out = capsys.readouterr().out
-    assert ("warning: host memory: loading weights needs about 29.1 GiB but inf2.xlarge has 16 "
-            "GiB") in out  # 6.7e9 params x 4 bytes, torch.load()ed whole
-    assert "use safetensors (`inf2serve prepare` writes them" in out
+                 str(ckpt)]) != 0
+    assert "run `inf2serve prepare SRC OUT`" in capsys.readouterr().err
+    arch = arch_from_config_json(json.loads((ckpt / "config.json").read_text()))
+    report = validate(load_config(cfg), arch, "inf2.xlarge", weights=checkpoint_weights(ckpt))
+    warning = next(w for w in report.warnings if w.startswith("host memory"))
+    assert "loading weights needs about 29.1 GiB but inf2.xlarge has 16 GiB" in warning
+    assert "use safetensors (`inf2serve prepare` writes them" in warning
 
 
-def test_safetensors_load_layer_by_layer(tmp_path: Path, capsys) -> None:
-    ckpt = _checkpoint(tmp_path, "float32", "model.safetensors", "pytorch_model.bin")
+def test_safetensors_load_layer_by_layer(tmp_path: Path, capsys, tiny_checkpoint: Path) -> None:
+    ckpt = _checkpoint(tmp_path, "float32", "model.safetensors", "pytorch_model.bin",
+                       tokenizer_from=tiny_checkpoint)
     assert checkpoint_weights(ckpt).fmt == "model.safetensors"  # the real loader's first choice
     assert main(["validate", str(_xlarge(tmp_path, 1)), "--instance", "inf2.xlarge",
                  "--checkpoint", str(ckpt)]) == 0
@@ -248,8 +268,14 @@ def test_unknown_key_names_the_closest(tmp_path: Path, capsys) -> None:
     assert "did you mean 'tp_degree'" in capsys.readouterr().err
 
 
-def test_checkpoint_config_json_is_used(tmp_path: Path, capsys) -> None:
-    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "hidden_size": 64, '
+def test_checkpoint_config_json_is_used(tmp_path: Path, capsys, tiny_checkpoint: Path) -> None:
+    import shutil
+
+    for f in tiny_checkpoint.iterdir():  # its weights and tokenizer; this config.json
+        if f.name != "config.json":
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2, '
+                                          '"hidden_size": 64, '
                                           '"num_attention_heads": 4, "num_key_value_heads": 2, '
                                           '"vocab_size": 1024, "intermediate_size": 172, '
                                           '"max_position_embeddings": 512}')
@@ -261,8 +287,9 @@ def test_checkpoint_config_json_is_used(tmp_path: Path, capsys) -> None:
                  "--instance", "inf2.xlarge"]) == 0
     path.write_text(yaml.safe_dump({"handler": {"backend": "neuron", "max_length": 1024,
                                                 "neuron": {"tp_degree": 2}}}))
-    assert main(["validate", str(path), "--checkpoint", str(tmp_path)]) == 1
-    assert "exceeds the model's max_position_embeddings 512" in capsys.readouterr().out
+    assert main(["validate", str(path), "--checkpoint", str(tmp_path)]) != 0
+    out = capsys.readouterr()
+    assert "exceeds the checkpoint's max_position_embeddings 512" in out.out + out.err
 
 
 def test_the_readme_example_output_is_what_validate_prints(capsys, monkeypatch) -> None:
@@ -327,3 +354,19 @@ def test_speculation_configs_count_the_draft_and_fit(path: Path, capsys) -> None
     alone = next(n for n in validate(parse_config(data), arch, None).notes
                  if n.startswith("device memory"))
     assert with_draft > float(re.search(r"takes ([\d.]+) GB", alone).group(1))
+
+
+def test_nxdi_int8_warns_when_quantizing_would_not_fit_the_host(tmp_path: Path, capsys) -> None:
+    """NxD Inference writes its int8 checkpoint from the model loaded in float32, once: 7B on
+    a 16 GiB inf2.xlarge does not fit, which validate says with the way out."""
+    data = yaml.safe_load((CONFIGS / "nxdi" / "llama-2-7b" / "inf2.xlarge-latency.yaml")
+                          .read_text())
+    data["handler"]["neuron"]["quantization"] = {"weights": "int8"}
+    path = tmp_path / "q.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["validate", str(path), "--instance", "inf2.xlarge"]) == 0
+    out = capsys.readouterr().out
+    assert "weights 3.50 GB at int8" in out
+    assert "quantizing llama-2-7b for NxD Inference loads it in float32 (27.1 GiB)" in out
+    assert main(["validate", str(path), "--instance", "inf2.24xlarge"]) == 0
+    assert "quantizing" not in capsys.readouterr().out
