@@ -492,6 +492,13 @@ def _check_neuron_features(h: HandlerConfig) -> None:
         if sp.length + 1 >= h.max_length:
             raise ConfigError(f"handler.neuron.speculation.length: {sp.length} leaves no room "
                               f"in handler.max_length {h.max_length}")
+        if h.max_new_tokens_limit >= h.max_length - sp.length:
+            # a step writes up to `length` positions past the last token kept, so a sequence
+            # holds max_length - length positions
+            raise ConfigError(f"handler.max_new_tokens_limit: {h.max_new_tokens_limit} leaves "
+                              f"no room for a prompt in the {h.max_length - sp.length} positions "
+                              f"speculation keeps (handler.max_length {h.max_length} less "
+                              f"speculation.length {sp.length}); lower it")
     if h.backend == "neuron":
         if q.weights and q.method == "per_tensor":
             # transformers-neuronx: quantize_method in ['vector_dynamic', 'direct_cast']

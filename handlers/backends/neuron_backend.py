@@ -13,12 +13,17 @@ Two runners, picked by handler.batching:
 - micro: the SDK's own `sample(..., streamer=)` on the compiled batch, run in a
   thread; the streamer hands each [batch, 1] step to a queue that `decode` drains.
   One parameter set per call, so micro-batches hold requests that sample alike.
+
+With handler.neuron.speculation, the continuous runner decodes through the SDK's
+FusedSpeculativeDecoder (a draft model proposes k tokens, the target verifies them in the
+same compiled graph): each decode yields 1 to k + 1 tokens per slot (_SpeculativeRunner).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import os
 import queue
 import threading
 import time
@@ -59,6 +64,15 @@ def resolve_model_class(name: str) -> type:
                             key="handler.neuron.model_class_name",
                             example="'<module>.<Class>', e.g. 'llama.model.LlamaForSampling'",
                             install=INSTALL)
+
+
+def read_draft_config(draft_dir: Path) -> dict[str, Any]:
+    """The speculation draft's config.json (the compile-cache key holds it)."""
+    if not (draft_dir / "config.json").is_file():
+        raise ConfigError(f"handler.neuron.speculation.draft_checkpoint: {draft_dir} has no "
+                          "config.json; package the draft with `inf2serve package "
+                          "--draft-checkpoint DIR`")
+    return read_model_config(draft_dir)
 
 
 def check_keywords(fn: Any, names: Sequence[str], what: str) -> None:
@@ -150,17 +164,21 @@ def _quant_configs(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_neuron_config(spec: dict[str, Any], batch_size: int,
-                        compilation_worker_count: int = 0) -> Any:
+                        compilation_worker_count: int = 0,
+                        on_device_embedding: bool = False) -> Any:
     """Our plain-data spec (neuron_cache.key.neuron_config_spec) as SDK objects.
 
     compilation_worker_count is not in the spec (it changes no graph): 0 leaves the
     SDK's default, every graph compiled at once. batch_size sizes on-device sampling's
-    per-line parameter lists; every line starts greedy.
+    per-line parameter lists; every line starts greedy. on_device_embedding: speculation
+    needs it on both models (its key has the speculation entry, so it is keyed).
     """
     from transformers_neuronx.config import ContinuousBatchingConfig, NeuronConfig
     from transformers_neuronx.constants import GQA
 
     kwargs: dict[str, Any] = _quant_configs(spec)
+    if on_device_embedding:
+        kwargs["on_device_embedding"] = True
     if flags := spec.get("on_device_generation"):
         kwargs["on_device_generation"] = generation_config(flags, [GREEDY_ROW] * batch_size)
     if spec.get("continuous_batching"):
@@ -183,10 +201,15 @@ class NeuronBackend(Backend):
     def __init__(self, checkpoint: Path, config: HandlerConfig, model_dir: Path,
                  cores: Sequence[int] | None = None) -> None:
         n = config.neuron
+        sp = n.speculation
         self.batch_size = config.batch_size
-        self.max_length = config.max_length
+        # speculation writes k positions past a row's last token: a sequence may use only
+        # n_positions - k of them (the SDK's sample() asserts the same, fused_speculation.py:
+        # L546-L549), so the engine's length cut leaves that room
+        self.max_length = config.max_length - (sp.length if sp.enabled else 0)
+        self.max_tokens_per_step = sp.length + 1 if sp.enabled else 1
         # checked at submit, so a too-long prompt is a 400 for that request, not a failed batch
-        self.max_prompt_length = min(context_buckets(config)[-1], config.max_length - 1)
+        self.max_prompt_length = min(context_buckets(config)[-1], self.max_length - 1)
         # cores given: the TorchServe worker holds their claim for its whole life, so a
         # restarted engine process gets the same block back (handlers/engine/client.py)
         self._claim = backend_claim(n, cores)
@@ -197,24 +220,38 @@ class NeuronBackend(Backend):
             model_cls = resolve_model_class(n.model_class_name)
             runner_cls = _ContinuousRunner if config.batching == "continuous" else _MicroRunner
             runner_cls.check(model_cls, context_buckets(config))  # before compiling
-            inputs = key_inputs(config, model_config)
-            kwargs = {"batch_size": config.batch_size, "tp_degree": n.tp_degree, "amp": config.amp,
-                      "n_positions": config.max_length,
-                      "context_length_estimate": context_buckets(config),
-                      "neuron_config": build_neuron_config(inputs.neuron_config,
-                                                           config.batch_size,
-                                                           n.compilation_worker_count)}
+            draft_dir = Path(model_dir) / sp.draft_checkpoint if sp.enabled else None
+            draft_config = read_draft_config(draft_dir) if draft_dir else None
+            inputs = key_inputs(config, model_config, draft_model_config=draft_config)
+
+            def model_kwargs() -> dict[str, Any]:  # a NeuronConfig per model: the SDK edits it
+                return {"batch_size": config.batch_size, "tp_degree": n.tp_degree,
+                        "amp": config.amp, "n_positions": config.max_length,
+                        "context_length_estimate": context_buckets(config),
+                        "neuron_config": build_neuron_config(
+                            inputs.neuron_config, config.batch_size,
+                            n.compilation_worker_count, on_device_embedding=sp.enabled)}
+
             # from_pretrained hands these to the class (module.py:L424-L426)
-            check_keywords(model_cls, list(kwargs), f"handler.neuron.model_class_name "
+            check_keywords(model_cls, list(model_kwargs()), f"handler.neuron.model_class_name "
                            f"{n.model_class_name}")
-            self.model = model_cls.from_pretrained(str(checkpoint), **kwargs)
+            self.model = model_cls.from_pretrained(str(checkpoint), **model_kwargs())
+            compiled: Any = self.model
+            if draft_dir is not None:
+                draft = model_cls.from_pretrained(str(draft_dir), **model_kwargs())
+                compiled = _Speculation(self.model, draft, sp.length,
+                                        n.compilation_worker_count)
             store = CacheStore(cache_root(config, model_dir))
-            self.start = compile_or_load(store, inputs, self.model, n.on_mismatch)
+            self.start = compile_or_load(store, inputs, compiled, n.on_mismatch)
         except BaseException:
             self._claim.release()
             raise
         eos = min(self.eos_token_ids) if self.eos_token_ids else 0
-        self._runner = runner_cls(self.model, config, context_buckets(config), eos)
+        if isinstance(compiled, _Speculation):
+            self._runner = _SpeculativeRunner(self.model, config, context_buckets(config), eos,
+                                              compiled.fused)
+        else:
+            self._runner = runner_cls(self.model, config, context_buckets(config), eos)
         self.capabilities = capabilities(config)
 
     def _prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
@@ -227,7 +264,7 @@ class NeuronBackend(Backend):
                                     self.eos_token_ids)
 
     def _decode(self, slots: Sequence[int]) -> Rows:
-        return [[token] for token in self._runner.decode(list(slots))]
+        return self._runner.decode_rows(list(slots))
 
     def _release(self, slots: Sequence[int]) -> None:
         self._runner.release(list(slots))
@@ -310,6 +347,8 @@ class _ContinuousRunner:
     def __init__(self, model: Any, config: HandlerConfig, buckets: list[int], eos: int) -> None:
         self.model, self.buckets, self.eos = model, buckets, eos
         self.max_length = config.max_length
+        #: what update_generation_config writes the device's per-line parameters through
+        self.generation = model
         self.rows: dict[int, _Row] = {}
         self.on_device = config.neuron.on_device_sampling
         self.global_top_k = config.neuron.global_top_k
@@ -323,7 +362,7 @@ class _ContinuousRunner:
         if self.slot_params[slot] != row:
             rows = list(self.slot_params)
             rows[slot] = row
-            self.model.update_generation_config(generation_config(self._flags, rows))
+            self.generation.update_generation_config(generation_config(self._flags, rows))
             self.slot_params = rows  # only once the device holds them
 
     def prefill(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams],
@@ -345,14 +384,21 @@ class _ContinuousRunner:
             else:
                 sampler = RowSampler(p, eos_ids, torch.device("cpu"), prompt)
             with torch.inference_mode():  # logits are inference tensors: sample inside
-                logits = self.model.forward(torch.tensor([tokens], dtype=torch.int64),  # [1, L]
-                                            torch.tensor([positions], dtype=torch.int64),
-                                            torch.tensor([slot], dtype=torch.int64))
+                logits = self._context(torch.tensor([tokens], dtype=torch.int64),  # [1, L]
+                                       torch.tensor([positions], dtype=torch.int64),
+                                       torch.tensor([slot], dtype=torch.int64))
                 # logits: [1, vocab]; or the device's token ids, [1, 1]
                 token = int(logits[0, 0]) if sampler is None else sampler(logits[0])
             self.rows[slot] = _Row(len(prompt), token, sampler)
             out.append(token)
         return out
+
+    def _context(self, ids: Any, cache_ids: Any, seq_ids: Any) -> Any:
+        """Context encoding of one slot's prompt: [1, L] ids and cache ids, [1] seq id."""
+        return self.model.forward(ids, cache_ids, seq_ids)
+
+    def decode_rows(self, slots: list[int]) -> Rows:
+        return [[token] for token in self.decode(slots)]
 
     def decode(self, slots: list[int]) -> list[int]:
         import torch
@@ -381,8 +427,122 @@ class _ContinuousRunner:
         for bucket in self.buckets:  # a prompt of the bucket's length runs that bucket's graph
             prompt = [self.eos] * max(2, min(bucket, self.max_length - 1))
             self.prefill([free], [prompt], [SamplingParams()], frozenset())
-            self.decode([free])
+            self.decode_rows([free])
             self.release([free])
+
+
+class _Speculation:
+    """Target, draft and their FusedSpeculativeDecoder as one model for compile_or_load.
+
+    What the compile cache holds, and what not: the entry (keyed with the draft's
+    config.json and k) holds the target's NEFFs (its context and token graphs) at its root
+    and the draft's in draft/, each model's own save()/load(). The fused graphs (k + 1
+    draft steps, the target's check and the acceptance, one per n_positions bucket) are
+    not in it: FusedSpeculativeDecoder has no save()/load(), and its to_neuron() compiles
+    through libneuronxla's compile cache only (aws-neuron/transformers-neuronx@1ade6d7:
+    src/transformers_neuronx/fused_speculation.py:L464-L495, compiler.py:L147-L150), which
+    NEURON_COMPILE_CACHE_URL points at <handler.neuron.cache_dir>/neuronx-cc
+    (handlers/backends/neuron_env.py). A fresh process on the same cache_dir finds them
+    there; an entry copied without that folder (or `cache pack`, which takes entries only)
+    compiles the fused graphs again, though not the models.
+    """
+
+    DRAFT_DIR = "draft"
+
+    def __init__(self, target: Any, draft: Any, k: int, workers: int) -> None:
+        try:
+            from transformers_neuronx.fused_speculation import FusedSpeculativeDecoder
+        except ImportError as exc:
+            raise ConfigError("handler.neuron.speculation: this transformers-neuronx has no "
+                              f"FusedSpeculativeDecoder ({exc}); use 0.13.x (Neuron SDK "
+                              "2.21+)") from exc
+        check_keywords(FusedSpeculativeDecoder, ["pad_token_id"], "FusedSpeculativeDecoder")
+        if not hasattr(FusedSpeculativeDecoder, "speculative_iteration"):
+            raise ConfigError("handler.neuron.speculation: this transformers-neuronx's "
+                              "FusedSpeculativeDecoder has no speculative_iteration (continuous "
+                              "batching); use 0.13.x (Neuron SDK 2.21+)")
+        self.target, self.draft, self.workers = target, draft, workers
+        # built now, so what it asserts (same vocab and tp, on-device embedding and
+        # sampling, fused_speculation.py:L296-L325) fails before minutes of compiling.
+        # pad_token_id -1: its post-processing first replaces every token equal to the pad
+        # id with row 0's first token (L227-L228), so the default 0 would corrupt an
+        # accepted token 0; the rows are cut by their counts, never by pads
+        try:
+            self.fused = FusedSpeculativeDecoder(draft, target, k, pad_token_id=-1)
+        except AssertionError as exc:
+            raise ConfigError(f"handler.neuron.speculation: transformers-neuronx's "
+                              f"FusedSpeculativeDecoder refuses this draft and model: "
+                              f"{exc}") from exc
+
+    def load(self, directory: str) -> None:
+        self.target.load(directory)
+        self.draft.load(str(Path(directory) / self.DRAFT_DIR))
+
+    def to_neuron(self) -> None:
+        self.target.to_neuron()
+        self.draft.to_neuron()
+        start = time.monotonic()
+        # the SDK's default (None) builds every bucket at once; 0 means that here too
+        self.fused.to_neuron(workers=self.workers or None)
+        log.info("fused speculation graphs ready in %.1fs (through the compiler cache at %s, "
+                 "not the compile-cache entry)", time.monotonic() - start,
+                 os.environ.get("NEURON_COMPILE_CACHE_URL", "the SDK's default"))
+
+    def save(self, directory: str) -> None:
+        self.target.save(directory)
+        self.draft.save(str(Path(directory) / self.DRAFT_DIR))
+
+
+class _SpeculativeRunner(_ContinuousRunner):
+    """Continuous batching through FusedSpeculativeDecoder.speculative_iteration.
+
+    Prefill (a cache id 0 in the call) runs the target's then the draft's own context
+    encoding on the slot's row, so both KV caches hold the prompt, and returns the target's
+    token (fused_speculation.py:L776-L811). A decode runs one fused step for every compiled
+    row: the rows asked for are scattered to their seq ids and the others get token 0 at
+    cache ids 0..k in both caches (L813-L831, L871-L894), so every running slot must be in
+    each decode (the base class checks). It returns tokens [n, k + 1] and counts [n, 1] in
+    the order asked (L897-L915); a row's first count tokens are its accepted draft tokens
+    and the target's own. Sampling parameters go per slot through the decoder's
+    update_generation_config, to the target and, its config being dynamic, the draft
+    (L498-L501): a greedy slot is top-k 1 on both, where acceptance keeps a draft token
+    exactly when it is the target's argmax (hlo.py:L3806-L3845), so greedy output equals
+    greedy output without speculation.
+    """
+
+    def __init__(self, model: Any, config: HandlerConfig, buckets: list[int], eos: int,
+                 fused: Any) -> None:
+        super().__init__(model, config, buckets, eos)
+        self.fused = self.generation = fused
+        self.k = config.neuron.speculation.length
+        self.max_length = config.max_length - self.k  # as NeuronBackend.max_length
+
+    def _context(self, ids: Any, cache_ids: Any, seq_ids: Any) -> Any:
+        tokens, _ = self.fused.speculative_iteration(ids, cache_ids, seq_ids)
+        return tokens  # [1, 1]: the target's token
+
+    def decode_rows(self, slots: list[int]) -> Rows:
+        import torch
+
+        rows = [self.rows[s] for s in slots]
+        ids = torch.tensor([[r.last] for r in rows], dtype=torch.int64)  # [n, 1]
+        cache_ids = torch.tensor([[r.length] for r in rows], dtype=torch.int64)  # [n, 1]
+        with torch.inference_mode():
+            tokens, counts = self.fused.speculative_iteration(
+                ids, cache_ids, torch.tensor(slots, dtype=torch.int64))
+        n = [int(c) for c in counts[:, 0]]
+        if not all(1 <= c <= self.k + 1 for c in n):
+            raise GenerationError(f"speculative_iteration returned counts {n} for slots "
+                                  f"{slots}; expected 1 to {self.k + 1} each")
+        out: Rows = [[int(t) for t in tokens[i, :c]] for i, c in enumerate(n)]
+        for row, c, new in zip(rows, n, out, strict=True):
+            # the last input and the accepted drafts now sit at length .. length+c-1 of
+            # both caches; what lies beyond is overwritten by the next step
+            row.length, row.last = row.length + c, new[-1]
+        return out
+
+    def decode(self, slots: list[int]) -> list[int]:
+        raise GenerationError("a speculative decode yields several tokens a row: decode_rows")
 
 
 class _Cancelled(Exception):
@@ -498,6 +658,9 @@ class _MicroRunner:
                 "row ends when the longest prompt does. Lower max_new_tokens, raise "
                 "handler.max_length, or use handler.batching: continuous")
         return [step[self.rows[s]] for s in slots]
+
+    def decode_rows(self, slots: list[int]) -> Rows:
+        return [[token] for token in self.decode(slots)]
 
     def release(self, slots: list[int]) -> None:
         for s in slots:

@@ -280,3 +280,15 @@ def test_legacy_nxdi_sampling_key_conflicting_with_the_neuron_one_is_refused():
                                           r"handler.neuron.on_device_sampling False"):
         parse_config({"handler": {"backend": "nxdi", "nxdi": {"on_device_sampling": True},
                                   "neuron": {"on_device_sampling": False}}})
+
+
+def test_speculation_keeps_length_positions_free_of_the_token_limit():
+    spec = {"on_device_sampling": True, "speculation": {"draft_checkpoint": "draft", "length": 4}}
+    with pytest.raises(ConfigError, match=r"handler.max_new_tokens_limit: 60 leaves no room for "
+                                          r"a prompt in the 60 positions"):
+        parse_config({"handler": {"backend": "neuron", "max_length": 64,
+                                  "max_new_tokens_limit": 60, "defaults": {"max_new_tokens": 8},
+                                  "neuron": spec}})
+    assert parse_config({"handler": {"backend": "neuron", "max_length": 64,
+                                     "max_new_tokens_limit": 59,
+                                     "defaults": {"max_new_tokens": 8}, "neuron": spec}})

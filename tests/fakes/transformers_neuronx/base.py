@@ -58,12 +58,16 @@ class NeuronModelBase:
         return model
 
     # --- serialization (base.py) ---------------------------------------------------------
+    def graph_spec(self) -> dict:
+        """What every graph of this model bakes in (the fake's stand-in for its HLO)."""
+        c = self.config
+        return {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "vocab": c.vocab_size,
+                "heads": c.num_attention_heads, "tp": self.tp_degree, "amp": self.amp,
+                "neuron_config": self.neuron_config.spec()}
+
     def _graphs(self) -> dict[str, bytes]:
         """NEFF name -> bytes for every graph (token buckets x batches, context buckets)."""
-        c, nc = self.config, self.neuron_config
-        base = {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "vocab": c.vocab_size,
-                "heads": c.num_attention_heads, "tp": self.tp_degree, "amp": self.amp,
-                "neuron_config": nc.spec()}
+        base = self.graph_spec()
         specs = [{**base, "kind": "token", "bucket": n, "batch": b}
                  for n in self.token_buckets for b in self.batch_sizes]
         specs += [{**base, "kind": "context", "bucket": n, "batch": b}
@@ -96,7 +100,8 @@ class NeuronModelBase:
         expected = self._graphs()
         workers = self.neuron_config.compilation_worker_count
         fields = {"visible_cores": cores, "tp_degree": self.tp_degree,
-                  "batch_size": self.batch_size, "cc_flags": os.environ.get("NEURON_CC_FLAGS"),
+                  "batch_size": self.batch_size, "checkpoint": self._weights.directory,
+                  "cc_flags": os.environ.get("NEURON_CC_FLAGS"),
                   "compilation_worker_count": workers}
         if self._load_dir is not None:
             if not os.path.isdir(self._load_dir):  # base.py:L173-L174
@@ -245,6 +250,15 @@ class NeuronModelBase:
         out = self._hf(input_ids=torch.tensor([tokens], dtype=torch.long),
                        position_ids=torch.tensor([positions], dtype=torch.long), use_cache=False)
         return out.logits[0, -1, : self.config.vocab_size].float()  # base.py:L719
+
+
+@dataclass(frozen=True)
+class DecoderLmHead:
+    """What other objects read of a model's token decoder (`model.decoder_lm_head`): its
+    tensor parallel degree and token buckets (llama/model.py:L99-L108)."""
+
+    tp_degree: int
+    n_positions_list: list[int]
 
 
 @dataclass

@@ -245,4 +245,6 @@ class NeuronConfig:
             out["kv_cache_quant"] = [kv.quant_dtype, kv.dequant_dtype, kv.quantize_method]
         if gen:  # token ids out instead of logits (generation.py:L17-L104)
             out["on_device_generation"] = gen.spec()
+        if self.on_device_embedding:  # the embedding in the graph (decoder.py:L908-L915)
+            out["on_device_embedding"] = True
         return out

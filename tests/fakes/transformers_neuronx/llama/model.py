@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from transformers_neuronx import bucket
-from transformers_neuronx.base import NeuronModelBase
+from transformers_neuronx.base import DecoderLmHead, NeuronModelBase
 from transformers_neuronx.config import NeuronConfig, validate_generation_configs
 from transformers_neuronx.constants import GQA, FpBounds
 
@@ -85,10 +85,14 @@ class LlamaForSampling(NeuronModelBase):
         if nc.on_device_generation:  # llama/model.py:L54-L55
             nc.on_device_generation.vocab_size = config.vocab_size
         used = [f for f in NOT_SIMULATED if getattr(nc, f, None)]
-        if used or prefixed_length or nc.use_1d_query or nc.on_device_embedding:
+        if used or prefixed_length or nc.use_1d_query:
             raise NotImplementedError(f"fake: {used or 'this NeuronConfig'} is not simulated")
+        # on_device_embedding only moves the embedding into the graph (llama/model.py:L279-L288):
+        # the same token ids go in, so the fake computes the same; it is in the NEFF names
         self.config, self.amp, self.tp_degree = config, amp, tp_degree
         self.token_buckets = bucket.token_sizes(n_positions)  # llama/model.py:L68-L69
+        # what FusedSpeculativeDecoder reads of the token decoder (llama/model.py:L99-L108)
+        self.decoder_lm_head = DecoderLmHead(tp_degree, self.token_buckets)
         self.context_buckets = bucket.context_sizes(context_length_estimate, self.token_buckets)
         self.batch_sizes = bucket.batch_sizes(batch_size)  # llama/model.py:L83-L85
         self.batch_size = self.batch_sizes[-1]
@@ -206,8 +210,30 @@ class LlamaForSampling(NeuronModelBase):
         return torch.tensor(tokens, dtype=torch.int32).reshape(-1, 1)
 
     def _device_sample(self, logits: torch.Tensor, line: int, gen) -> int:
+        probs, indices = self._device_distribution(logits, line, gen)
+        if len(indices) == 1:  # greedy: nothing drawn
+            return int(indices[0])
+        if gen.deterministic:  # a fixed 0.5 draw (hlo.py:L2422-L2456)
+            pick = int(torch.searchsorted(torch.cumsum(probs, -1), torch.tensor(0.5)))
+            return int(indices[min(pick, len(indices) - 1)])
+        return int(indices[int(torch.multinomial(probs, 1, generator=self._rng))])
+
+    def device_probs(self, logits: torch.Tensor, line: int) -> torch.Tensor:
+        """The distribution the device samples a line from, over the whole vocabulary: what
+        `generate(..., return_probs=True)` hands speculation (layers/generation.py:L17-L30,
+        L137-L198); greedy is 1.0 on the argmax (L21-L28)."""
+        probs, indices = self._device_distribution(logits.float(), line,
+                                                   self.neuron_config.on_device_generation)
+        out = torch.zeros(logits.shape[-1], dtype=torch.float32)
+        out[indices] = probs.float()
+        return out
+
+    def _device_distribution(self, logits: torch.Tensor, line: int, gen
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probabilities, token ids) the device draws from; one id with probability 1 when
+        only the best token survives."""
         if not gen.dynamic and not gen.do_sample:  # greedy (layers/generation.py:L19-L20)
-            return int(logits.argmax())
+            return torch.ones(1), logits.argmax().reshape(1)
         s = self._sampling
         if gen.per_batch_line:  # each line's own, by seq id (layers/generation.py:L107-L113)
             if not all(0 <= line < len(s[n]) for n in s):
@@ -222,7 +248,7 @@ class LlamaForSampling(NeuronModelBase):
         if gen.global_top_k is not None:  # layers/generation.py:L55-L56, L147-L148
             logits, indices = torch.topk(logits, min(gen.global_top_k, logits.shape[-1]))
         if int(k) == 1:  # only the best survives top-k (layers/generation.py:L153-L176)
-            return int(indices[int(logits.argmax())])
+            return torch.ones(1), indices[int(logits.argmax())].reshape(1)
         if t != 1.0:  # layers/generation.py:L166-L169
             logits = logits / t
         logits, order = torch.topk(logits, min(int(k), logits.shape[-1]))  # L172-L176
@@ -233,10 +259,7 @@ class LlamaForSampling(NeuronModelBase):
             keep[: max(1, int(m))] = True
             probs = torch.where(keep, probs, torch.zeros_like(probs))
             probs = probs / probs.sum()
-        if gen.deterministic:  # a fixed 0.5 draw (hlo.py:L2422-L2456)
-            pick = int(torch.searchsorted(torch.cumsum(probs, -1), torch.tensor(0.5)))
-            return int(indices[min(pick, len(indices) - 1)])
-        return int(indices[int(torch.multinomial(probs, 1, generator=self._rng))])
+        return probs, indices
 
     def forward(self, input_ids, cache_ids=None, start_ids=None, last_token_id=None,
                 input_embeddings=None, **kwargs):
