@@ -378,9 +378,14 @@ def validate_nxdi(cfg: ModelConfig, arch: Arch | None, instance: str | None,
     """The NxD Inference rules: buckets (checked by load_config), tp, heads, device and host
     memory (archive_tools.nxdi_sizing)."""
     from archive_tools import nxdi_sizing as nx
+    from handlers.backends.nxdi_backend import check_speculation
     from neuron_cache.key import nxdi_buckets
 
     h, n, report = cfg.handler, cfg.handler.neuron, Report()
+    try:  # what the backend would refuse of speculation at its start, refused here
+        check_speculation(h)
+    except ConfigError as exc:
+        report.problems.append(str(exc))
     ctx, tkg, top = nxdi_buckets(h)
     report.notes.append(f"nxdi: prefill buckets {_join(ctx)} (max_context_length {top}), decode "
                         f"buckets {_join(tkg)}, batch {h.batch_size} (one context row per call)")

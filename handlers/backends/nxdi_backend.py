@@ -18,11 +18,19 @@ Continuous batching only, as vLLM's NxDI plugin runs it: one context row per cal
 slot a KV-cache line addressed by its seq_id, decode of every running slot per step with
 seq_ids sorted. Sampling on the host with each request's own parameters, or on the device
 (handler.neuron.on_device_sampling) with per-row top-k/top-p/temperature.
+
+Speculation (handler.neuron.speculation) is NxD Inference's fused speculation, as vLLM's
+NxDI integration builds it: the draft's InferenceConfig (a copy of the target's
+NeuronConfig) on config.fused_spec_config, one compile of target and draft together. A
+decode step drafts S - 1 tokens (S = speculation_length = length + 1), the target checks
+them and keeps its own tokens up to the first disagreement: 1 to S tokens a row, read from
+`fused_outputs` (models/model_base.py:L2841-L2897). See build_fused_spec_config.
 Citations: aws-neuron/neuronx-distributed-inference@cd3abf3:src/neuronx_distributed_inference/.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -96,6 +104,10 @@ def build_neuron_config(spec: dict[str, Any], quantized_checkpoints_path: str | 
 
     kwargs = dict(spec)
     sampling = kwargs.pop("on_device_sampling_config")
+    speculation = kwargs.pop("speculation", None)  # key data: k and the draft's config.json
+    if speculation:  # fused, S = k + 1 (see build_fused_spec_config)
+        kwargs.update(speculation_length=speculation["length"] + 1,
+                      enable_fused_speculation=True)
     extra: dict[str, Any] = {}
     if kwargs.get("quantized"):
         if not quantized_checkpoints_path:
@@ -171,6 +183,85 @@ def write_quantized_checkpoint(model_cls: type, checkpoint: Path, config: Any, d
         raise
     finally:
         nc.quantized_checkpoints_path = previous
+
+
+def speculation_steps(config: HandlerConfig) -> int:
+    """S, NxD Inference's speculation_length: the most tokens a fused step yields per row (it
+    drafts S - 1 and the target samples S, models/model_base.py:L1854-L1971), so
+    handler.neuron.speculation.length (k drafts) + 1; 0 without speculation."""
+    sp = config.neuron.speculation
+    return sp.length + 1 if sp.enabled else 0
+
+
+def check_speculation(config: HandlerConfig) -> None:
+    """What fused speculation on NxD Inference cannot run, named by our keys (handlers/
+    config.py already asked for on-device sampling and continuous batching, which both SDKs
+    assert: models/model_base.py:L1807, L1869)."""
+    steps = speculation_steps(config)
+    if not steps:
+        return
+    key = "handler.neuron.speculation"
+    ctx, _, _ = nxdi_buckets(config)
+    if bad := [b for b in ctx if b in (1, steps)]:
+        # the fused context graph runs token generation for an input whose length is 1 or
+        # speculation_length (models/model_base.py:L3020-L3024), and a prompt is padded to
+        # its bucket
+        raise ConfigError(f"handler.neuron.context_length_estimate: bucket(s) {bad} equal 1 or "
+                          f"{key}.length + 1 ({steps}), which NxD Inference's fused graph takes "
+                          "for a decode step; choose other buckets or another length")
+    if config.neuron.quantization.weights:
+        # the trace quantizes the draft too (models/model_wrapper.py:L1514-L1527), but its
+        # weights are read from its checkpoint as they are (application_base.py:L658-L671)
+        raise ConfigError(f"{key}: backend nxdi does not run a draft with handler.neuron."
+                          "quantization.weights (NxD Inference would quantize the draft's graph "
+                          "but not its checkpoint); turn one of them off")
+    if config.nxdi.async_mode:
+        raise ConfigError(f"{key}: backend nxdi does not run speculation with handler.nxdi."
+                          "async_mode yet; turn one of them off")
+
+
+def read_draft_config(draft_dir: Path) -> dict[str, Any]:
+    """The draft's config.json: its graph settings are part of the compile-cache key."""
+    if not (draft_dir / "config.json").is_file():
+        raise ConfigError(f"handler.neuron.speculation.draft_checkpoint: {draft_dir} has no "
+                          "config.json; package the draft with `inf2serve package "
+                          "--draft-checkpoint DIR`")
+    return read_model_config(draft_dir)
+
+
+def build_fused_spec_config(model_cls: type, target_config: Any, draft_dir: Path) -> Any:
+    """FusedSpecNeuronConfig for config.fused_spec_config, built as NxD Inference's demo and
+    vLLM build it (inference_demo.py:L500-L532): the draft's NeuronConfig is a copy of the
+    target's without speculation (the fused graph forces the draft greedy,
+    models/model_base.py:L1675-L1678), its model config from its own config.json. Its
+    weights are read from draft_dir at every load (application_base.py:L658-L671)."""
+    from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig
+    from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
+
+    draft_neuron_config = copy.deepcopy(target_config.neuron_config)
+    draft_neuron_config.speculation_length = 0
+    draft_neuron_config.enable_fused_speculation = False
+    draft_config = model_cls.get_config_cls()(
+        draft_neuron_config, load_config=load_pretrained_config(str(draft_dir)))
+    return FusedSpecNeuronConfig(model_cls._model_cls, draft_config=draft_config,
+                                 draft_model_path=str(draft_dir))
+
+
+def accepted_rows(fused_outputs: Sequence[Any], positions: list[int], steps: int
+                  ) -> list[list[int]]:
+    """Each row's tokens from a fused decode step: `fused_outputs` is [accepted tokens
+    [n, S] (-1 after the accepted ones), next input ids, next attention mask, next position
+    ids [n, 1]] (models/model_base.py:L2841-L2897); a row kept next_pos - pos tokens (as
+    vLLM counts them)."""
+    accepted, next_pos = fused_outputs[0].tolist(), fused_outputs[3].reshape(-1).tolist()
+    rows = []
+    for tokens, start, end in zip(accepted, positions, next_pos, strict=True):
+        count = int(end) - start
+        if not 1 <= count <= steps or -1 in tokens[:count]:
+            raise GenerationError(f"fused speculation step at position {start} kept {count} "
+                                  f"tokens {tokens}; expected 1 to {steps} before any -1")
+        rows.append([int(t) for t in tokens[:count]])
+    return rows
 
 
 @contextmanager
@@ -342,11 +433,19 @@ class NxdiBackend(Backend):
         n, x = config.neuron, config.nxdi
         if config.batching != "continuous":
             raise ConfigError("handler.batching: backend nxdi runs continuous batching only")
+        check_speculation(config)
+        self.speculation = speculation_steps(config)  # S, or 0
+        self.max_tokens_per_step = self.speculation or 1
+        ctx, tkg, _ = nxdi_buckets(config)
         self.batch_size, self.max_length = config.batch_size, config.max_length
-        ctx, _, _ = nxdi_buckets(config)
+        if self.speculation:
+            # a decode at position p writes p..p+S-1 and must fit the largest token bucket,
+            # p + S <= tkg[-1] (models/model_wrapper.py:L826-L841, L898-L916); the engine
+            # decodes a sequence of up to max_length - 1 tokens, at p = max_length - 2
+            self.max_length = min(config.max_length, tkg[-1] - self.speculation + 2)
         self.largest_bucket = ctx[-1]
         # checked at submit, so a too-long prompt is a 400 for that request
-        self.max_prompt_length = min(ctx[-1], config.max_length - 1)
+        self.max_prompt_length = min(ctx[-1], self.max_length - 1)
         self.on_device, self.global_topk = n.on_device_sampling, n.global_top_k
         self.capabilities = capabilities(n.on_device_sampling, n.global_top_k)
         self._claim = backend_claim(n, cores)
@@ -357,7 +456,10 @@ class NxdiBackend(Backend):
             model_cls = resolve_model_class(x.model_class)
             from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
 
-            inputs = quantized_key(key_inputs(config, model_config), checkpoint)
+            draft_dir = Path(model_dir) / n.speculation.draft_checkpoint
+            draft_model_config = read_draft_config(draft_dir) if self.speculation else None
+            inputs = quantized_key(key_inputs(config, model_config,
+                                              draft_model_config=draft_model_config), checkpoint)
             store = CacheStore(cache_root(config, model_dir))
             quantized = bool(inputs.neuron_config.get("quantized"))
             entry_checkpoint = store.root / inputs.entry_name / ARTIFACTS / QUANTIZED_DIR
@@ -365,6 +467,9 @@ class NxdiBackend(Backend):
                 inputs.neuron_config, str(entry_checkpoint) if quantized else None)
             inference_config = model_cls.get_config_cls()(
                 neuron_config, load_config=load_pretrained_config(str(checkpoint)))
+            if self.speculation:
+                inference_config.fused_spec_config = build_fused_spec_config(
+                    model_cls, inference_config, draft_dir)
             self.model = model_cls(str(checkpoint), inference_config)
             quantize = functools.partial(write_quantized_checkpoint, model_cls, checkpoint,
                                          inference_config) if quantized else None
@@ -376,8 +481,9 @@ class NxdiBackend(Backend):
         self.rows: dict[int, _Row] = {}
 
     def _forward(self, ids: list[list[int]], positions: list[list[int]], seq_ids: list[int],
-                 params: list[SamplingParams], samplers: list[Any]) -> list[int]:
-        """One model call; the next token of each row, in row order."""
+                 params: list[SamplingParams], samplers: list[Any]) -> Rows:
+        """One model call; the new tokens of each row, in row order (one, or with fused
+        speculation 1 to S after a decode)."""
         import torch
 
         rows = [device_sampling_row(p, self.capabilities, self.global_topk) if self.on_device
@@ -388,12 +494,17 @@ class NxdiBackend(Backend):
                 seq_ids=torch.tensor(seq_ids, dtype=torch.int64),  # [n]
                 position_ids=torch.tensor(positions, dtype=torch.int64),
                 sampling_params=torch.tensor(rows, dtype=torch.float32))  # [n, 3]
+            if self.speculation:  # prefill: [token, -1, ...] (model_base.py:L2798-L2839)
+                if positions[0][0] == 0:  # the SDK's prefill test (model_base.py:L3591-L3592)
+                    return [[int(row[0])] for row in out.fused_outputs[0].tolist()]
+                return accepted_rows(out.fused_outputs, [p[0] for p in positions],
+                                     self.speculation)
             if self.on_device:  # token ids in place of logits (models/model_base.py:L3851-L3876)
-                return [int(t) for t in out.hidden_states.reshape(-1)]
+                return [[int(t)] for t in out.hidden_states.reshape(-1)]
             from handlers.backends.sampling import sample_rows
 
             # [n, 1, vocab] -> [n, vocab]: every row in one batched pass (sampling.py)
-            return sample_rows(out.logits[:, -1], samplers)
+            return [[t] for t in sample_rows(out.logits[:, -1], samplers)]
 
     def _prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                  params: Sequence[SamplingParams]) -> list[int]:
@@ -410,7 +521,7 @@ class NxdiBackend(Backend):
             sampler = None if self.on_device else RowSampler(p, self.eos_token_ids,
                                                              torch.device("cpu"), prompt)
             # one context row per call under continuous batching (kv_cache_manager.py:L488-L489)
-            token = self._forward([ids], [positions], [slot], [p], [sampler])[0]
+            token = self._forward([ids], [positions], [slot], [p], [sampler])[0][0]
             self.rows[slot] = _Row(len(prompt), token, sampler, p)
             out.append(token)
         return out
@@ -421,12 +532,13 @@ class NxdiBackend(Backend):
         # overwrite the others' KV-cache lines
         order = sorted(slots)  # a full batch runs rows as cache lines 0..n-1 (L1342-L1348)
         rows = [self.rows[s] for s in order]
-        tokens = self._forward([[r.last] for r in rows], [[r.length] for r in rows], order,
-                               [r.params for r in rows], [r.sampler for r in rows])
+        new = self._forward([[r.last] for r in rows], [[r.length] for r in rows], order,
+                            [r.params for r in rows], [r.sampler for r in rows])
         by_slot = {}
-        for slot, row, token in zip(order, rows, tokens, strict=True):
-            row.length, row.last = row.length + 1, token
-            by_slot[slot] = [token]
+        for slot, row, tokens in zip(order, rows, new, strict=True):
+            # the KV-cache line now holds the input and every kept token but the last
+            row.length, row.last = row.length + len(tokens), tokens[-1]
+            by_slot[slot] = tokens
         return [by_slot[s] for s in slots]
 
     def _release(self, slots: Sequence[int]) -> None:

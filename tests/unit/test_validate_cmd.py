@@ -370,3 +370,15 @@ def test_nxdi_int8_warns_when_quantizing_would_not_fit_the_host(tmp_path: Path, 
     assert "quantizing llama-2-7b for NxD Inference loads it in float32 (27.1 GiB)" in out
     assert main(["validate", str(path), "--instance", "inf2.24xlarge"]) == 0
     assert "quantizing" not in capsys.readouterr().out
+
+
+def test_what_nxdi_speculation_cannot_run_is_refused_by_validate(tmp_path: Path, capsys) -> None:
+    data = yaml.safe_load((CONFIGS / "nxdi" / "llama-2-7b" / "inf2.xlarge-latency.yaml")
+                          .read_text())
+    data["handler"]["neuron"].update(on_device_sampling=True, quantization={"weights": "int8"},
+                                     speculation={"draft_checkpoint": "draft", "length": 4})
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["validate", str(path)]) == 1
+    assert "backend nxdi does not run a draft with handler.neuron.quantization.weights" in (
+        capsys.readouterr().out)

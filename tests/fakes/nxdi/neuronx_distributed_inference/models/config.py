@@ -8,6 +8,7 @@ src/neuronx_distributed_inference/models/config.py unless named otherwise.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import logging
@@ -114,6 +115,16 @@ class NeuronConfig:
             assert self.token_generation_buckets[-1] <= self.max_length, (
                 f"Token generation bucket {self.token_generation_buckets[-1]} should be <= "
                 f"{self.max_length}")
+        # L204-L213: batch buckets of token generation (refused with speculation, L610-L654)
+        self.token_generation_batches = kwargs.pop("token_generation_batches", None)
+        if self.token_generation_batches is not None:
+            if not isinstance(self.token_generation_batches, list):
+                self.token_generation_batches = [self.token_generation_batches]
+            self.token_generation_batches.sort()
+            max_batch = self.token_generation_batches[-1]
+            assert max_batch <= self.tkg_batch_size, (
+                f"Token generation batch buckets {self.token_generation_batches} "
+                f"should be <= token generation batch size ({self.tkg_batch_size})")
         self.quantized = kwargs.pop("quantized", False)  # L216-L226
         self.quantized_checkpoints_path = kwargs.pop("quantized_checkpoints_path", None)
         if self.quantized is True:
@@ -124,11 +135,17 @@ class NeuronConfig:
         self.quantization_type = kwargs.pop("quantization_type", "per_tensor_symmetric")
         self.quantization_dtype = kwargs.pop("quantization_dtype", "int8")
         self.modules_to_not_convert = kwargs.pop("modules_to_not_convert", None)  # L235-L240
+        self.draft_model_modules_to_not_convert = kwargs.pop(
+            "draft_model_modules_to_not_convert", None)
         # 2.28 reads it only for the fp8 compiler flag (model_wrapper.py:L148-L157)
         self.kv_cache_quant = kwargs.pop("kv_cache_quant", False)
-        self.speculation_length = kwargs.pop("speculation_length", 0)
-        self.medusa_speculation_length = kwargs.pop("medusa_speculation_length", 0)
+        self.speculation_length = kwargs.pop("speculation_length", 0)  # L242-L256
+        self.spec_batch_size = kwargs.pop("spec_batch_size", self.batch_size)
         self.enable_fused_speculation = kwargs.pop("enable_fused_speculation", False)
+        self.enable_eagle_speculation = kwargs.pop("enable_eagle_speculation", False)
+        if self.enable_eagle_speculation:  # L255-L256
+            self.enable_fused_speculation = True
+        self.medusa_speculation_length = kwargs.pop("medusa_speculation_length", 0)
         self.is_chunked_prefill = kwargs.pop("is_chunked_prefill", False)
         self.is_prefix_caching = kwargs.pop("is_prefix_caching", False)
         self.is_block_kv_layout = kwargs.pop("is_block_kv_layout", False)
@@ -162,6 +179,26 @@ class NeuronConfig:
         self.skip_warmup = kwargs.pop("skip_warmup", False)  # L575
         if kwargs:  # L604-L605: unknown keywords are logged and dropped, never refused
             logging.warning(f"NeuronConfig init: Unexpected keyword arguments: {kwargs}")
+        self._validate_batch_bucketing_compatibility()  # L608
+
+    def _validate_batch_bucketing_compatibility(self):
+        """Batch bucketing with any speculation is refused (L610-L654; the fake models the
+        speculation entries of its list)."""
+        if self.token_generation_batches is None:
+            return
+        incompatible_features = []
+        if self.speculation_length > 0:
+            incompatible_features.append(f"speculative decoding ({self.speculation_length=})")
+        if self.enable_fused_speculation:
+            incompatible_features.append("fused speculation (enable_fused_speculation=True)")
+        if self.enable_eagle_speculation:
+            incompatible_features.append("EAGLE speculation (enable_eagle_speculation=True)")
+        if incompatible_features:
+            raise ValueError(
+                f"Batch bucketing (token_generation_batches={self.token_generation_batches}) "
+                "is not currently supported with the following features: "
+                f"{', '.join(incompatible_features)}. Please disable batch bucketing or the "
+                "incompatible features.")
 
     def _verify_quantized_config(self):  # L656-L663
         if not self.quantized:
@@ -212,8 +249,40 @@ class InferenceConfig:
         merged.update(kwargs)
         if isinstance(merged.get("neuron_config"), dict):
             merged["neuron_config"] = cls.get_neuron_config_cls()(**merged["neuron_config"])
+        spec = merged.get("fused_spec_config")
+        if isinstance(spec, dict):  # L951-L995 (the fake: no draft_model_cls of its own)
+            if spec.get("draft_model_cls"):
+                raise NotImplementedError("fake: a draft_model_cls other than the worker's")
+            draft = spec.get("draft_config")
+            if isinstance(draft, dict):
+                if isinstance(draft.get("neuron_config"), dict):
+                    draft["neuron_config"] = cls.get_neuron_config_cls()(**draft["neuron_config"])
+                spec["draft_config"] = cls(**draft)
+            fused = FusedSpecNeuronConfig(**spec)
+            name, module = fused.worker_cls["__name__"], fused.worker_cls["__module__"]
+            try:
+                fused.worker_cls = getattr(importlib.import_module(module), name)
+            except Exception as e:
+                raise ModuleNotFoundError(f"Failed to load class {name} from module {module}. "
+                                          "Make sure the module exists in NxDI and model class "
+                                          "is supported.") from e
+            merged["fused_spec_config"] = fused
         return cls(**merged)
 
     @classmethod
     def get_neuron_config_cls(cls) -> type[NeuronConfig]:
         return NeuronConfig
+
+
+class FusedSpecNeuronConfig:
+    """The draft of fused speculation, on InferenceConfig.fused_spec_config (L1004-L1020):
+    worker_cls is the target's decoder class (model_cls._model_cls), draft_config the
+    draft's InferenceConfig, draft_model_path its HF checkpoint (read at every load,
+    application_base.py:L658-L671)."""
+
+    def __init__(self, worker_cls, draft_config: InferenceConfig = None,
+                 draft_model_path: str = None, draft_model_cls=None) -> None:
+        self.worker_cls = worker_cls
+        self.draft_model_cls = draft_model_cls
+        self.draft_config = draft_config
+        self.draft_model_path = draft_model_path

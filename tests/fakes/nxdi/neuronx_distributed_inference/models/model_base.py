@@ -30,6 +30,7 @@ from neuronx_distributed.quantization.quantization_utils import (
 )
 
 from neuronx_distributed_inference import _fake_runtime as rt
+from neuronx_distributed_inference.models import _fused_spec as fused_spec
 from neuronx_distributed_inference.models.config import to_dict
 from neuronx_distributed_inference.modules.checkpoint import (
     load_state_dict,
@@ -44,8 +45,9 @@ NOT_TRACED = ("skip_warmup", "quantized_checkpoints_path")
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
-UNMODELLED = ("speculation_length", "medusa_speculation_length",
-              "enable_fused_speculation", "is_prefix_caching", "is_block_kv_layout", "lora_config")
+FUSED_SPECULATION_MODEL_TAG = "fused_speculation_model"  # MW:L38
+UNMODELLED = ("medusa_speculation_length", "enable_eagle_speculation", "is_prefix_caching",
+              "is_block_kv_layout", "lora_config")
 
 
 def traced_name(hf_name: str, fused_qkv: bool) -> str:
@@ -81,22 +83,27 @@ def buckets_for(nc, tag: str) -> list[int]:
     return list(given) if given is not None else generate_buckets(128, top)
 
 
-def seq_bucket(buckets: list[int], input_len: int, tag: str, truncate: bool) -> int:
-    """first_fit: the first bucket strictly longer than the input, else the largest when the
-    input fills it exactly (MW:L898-L916)."""
+def seq_bucket(buckets: list[int], input_len: int, tag: str, truncate: bool,
+               speculation_length: int = 0) -> int:
+    """first_fit: the first bucket strictly longer than the input plus the positions a fused
+    speculation step writes, else the largest when they fill it exactly (MW:L826-L841,
+    L898-L916; speculation_length counts for the fused model only)."""
+    required_len = input_len + speculation_length
     for b in buckets:
-        if input_len < b:
+        if required_len < b:
             return b
-    if input_len == buckets[-1] or truncate:
+    if required_len == buckets[-1] or truncate:
         return buckets[-1]
     raise ValueError(f"Input len {input_len} exceeds largest bucket ({buckets[-1]}) for {tag}")
 
 
 class _Output:
-    """CausalLMOutputWithPast's fields the callers read (MB:L3851-L3876)."""
+    """CausalLMOutputWithPast's fields the callers read (MB:L3851-L3878): `tokens`, or with
+    fused speculation `fused_outputs` and no `tokens` at all."""
 
-    def __init__(self, logits, hidden_states, tokens):
-        self.logits, self.hidden_states, self.tokens = logits, hidden_states, tokens
+    def __init__(self, logits, hidden_states, **fields):
+        self.logits, self.hidden_states = logits, hidden_states
+        self.__dict__.update(fields)
 
     def __getitem__(self, i):
         return [x for x in (self.logits, self.hidden_states) if x is not None][i]
@@ -112,13 +119,22 @@ class NeuronBaseForCausalLM(torch.nn.Module):
             config.neuron_config = neuron_config
         if not hasattr(config, "neuron_config"):  # AB:L206-L207
             raise ValueError("Config must include a NeuronConfig")
+        spec = getattr(config, "fused_spec_config", None)
+        if spec is not None and (spec.draft_config.neuron_config.torch_dtype
+                                 != config.neuron_config.torch_dtype
+                                 and config.neuron_config.cast_type == "config"):  # AB:L209-L216
+            raise ValueError("cast-type must be set to 'as-declared' to be able to run different "
+                             "precisions for draft and target model!")
         self.config, self.neuron_config, self.model_path = config, config.neuron_config, model_path
+        self.fused_spec_config = spec
         nc = self.neuron_config
         if nc.is_chunked_prefill:  # MB:L3094-L3095
             raise NotImplementedError("Chunked Prefill is not available in NxDI for now")
         for name in UNMODELLED:
             if getattr(nc, name, None):
                 raise NotImplementedError(f"fake: {name} is not modelled")
+        self.fused = bool(nc.enable_fused_speculation)
+        fused_spec.check_config(self)
         self.on_device_sampling = nc.on_device_sampling_config is not None
         self.vocab_size = config.vocab_size
         self.cte_buckets = buckets_for(nc, CONTEXT_ENCODING_MODEL_TAG)
@@ -149,8 +165,17 @@ class NeuronBaseForCausalLM(torch.nn.Module):
                 "neuron_config": {k: v for k, v in to_dict(nc).items() if k not in NOT_TRACED}}
         graphs = [{**base, "tag": CONTEXT_ENCODING_MODEL_TAG, "bucket": b,
                    "batch": nc.ctx_batch_size} for b in self.cte_buckets]
-        graphs += [{**base, "tag": TOKEN_GENERATION_MODEL_TAG, "bucket": b,
+        # fused speculation: one fused graph per token bucket (MB:L3099-L3102, L3120-L3147;
+        # its buckets are the token buckets, autobucketing.py:L282-L322)
+        tkg = FUSED_SPECULATION_MODEL_TAG if self.fused else TOKEN_GENERATION_MODEL_TAG
+        graphs += [{**base, "tag": tkg, "bucket": b,
                     "batch": nc.tkg_batch_size} for b in self.tkg_buckets]
+        if self.fused:  # the draft is traced inside both (MB:L1646-L1673)
+            draft = self.fused_spec_config.draft_config
+            graphs = [{**g, "draft": {
+                "model": {k: getattr(draft, k, None) for k in draft.get_required_attributes()},
+                "neuron_config": {k: v for k, v in to_dict(draft.neuron_config).items()
+                                  if k not in NOT_TRACED}}} for g in graphs]
         return graphs
 
     def compile(self, compiled_model_path, debug=False, pre_shard_weights_hook=None,
@@ -166,6 +191,8 @@ class NeuronBaseForCausalLM(torch.nn.Module):
             if quantization_type not in (QuantizationType.PER_CHANNEL_SYMMETRIC,
                                          QuantizationType.PER_TENSOR_SYMMETRIC):
                 raise RuntimeError(f"{nc.quantization_type} is not supported")
+        if self.fused:  # NeuronFusedSpecModel is built and traced here
+            fused_spec.check_trace(self)
         if dry_run:
             return
         if nc.save_sharded_checkpoint:
@@ -199,6 +226,8 @@ class NeuronBaseForCausalLM(torch.nn.Module):
         # sharded from the checkpoint at load, not stored in the compiled dir (AB:L403-L405)
         self._hf = self._traced_weights().to(nc.torch_dtype).eval()
         self._kv, self.is_loaded_to_neuron = {}, True
+        if self.fused:  # both checkpoints are sharded at every load (AB:L658-L671)
+            self._draft_hf, self._draft_kv = fused_spec.draft_weights(self), {}
         self.prior_outputs = self.prior_seq_ids = None
         warmup = not (nc.skip_warmup or skip_warmup)  # AB:L339-L342
         rt.record("load", directory=path, visible_cores=cores, tp_degree=nc.tp_degree,
@@ -207,7 +236,8 @@ class NeuronBaseForCausalLM(torch.nn.Module):
                   warmup_call=("forward_async" if nc.async_mode else "forward") if warmup
                   else None,
                   quantized_checkpoint=nc.quantized_checkpoints_path if nc.quantized else None,
-                  kv_cache_dtype=str(self._kv_dtype or nc.torch_dtype).split(".")[-1])
+                  kv_cache_dtype=str(self._kv_dtype or nc.torch_dtype).split(".")[-1],
+                  draft=self.fused_spec_config.draft_model_path if self.fused else None)
 
     # --- weights ---------------------------------------------------------------------------
     _STATE_DICT_MODEL_PREFIX = "model."  # AB:L69-L70
@@ -337,6 +367,11 @@ class NeuronBaseForCausalLM(torch.nn.Module):
             for key, value in sd.items():
                 weights[key if key.startswith("lm_head.") else "model." + key] = value
             hf.load_state_dict(weights, strict=True)
+        self._hook_kv_cache(hf, nc)
+        return hf
+
+    def _hook_kv_cache(self, hf, nc) -> None:
+        """An fp8 KV cache: K/V read back from it pass through its dtype (_cast_cached)."""
         kv = nc.kv_quant_config
         if kv is not None:
             if not kv.direct_cast:
@@ -345,7 +380,6 @@ class NeuronBaseForCausalLM(torch.nn.Module):
             for layer in hf.model.layers:
                 for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.register_forward_hook(self._cast_cached)
-        return hf
 
     def _cast_cached(self, module, args, out):
         """K/V read back from the cache are cast to its dtype and back (KV:L676-L698); the
@@ -388,6 +422,14 @@ class NeuronBaseForCausalLM(torch.nn.Module):
             raise RuntimeError(f"fake: sampling_params {tuple(sampling_params.shape)} for "
                                f"{seq_ids.shape[0]} rows")
         ids, pos = input_ids.to(torch.int64), position_ids.to(torch.int64)  # MW:L715-L723
+        if self.fused:  # context_encoding_model or fused_spec_model (MB:L3677-L3728)
+            run = fused_spec.context if prefill else fused_spec.token_generation
+            with torch.no_grad():
+                outputs = run(self, ids, attention_mask, pos, seq_ids.to(torch.int64),
+                              sampling_params)
+            if prefill:
+                self.kv_cache_populated = True
+            return _Output(None, outputs, fused_outputs=outputs, async_should_stop=False)
         if not self.async_mode:
             return self._run(ids, attention_mask, pos, seq_ids, sampling_params, prefill)
         if self.prior_seq_ids is None:  # MB:L3349-L3351, on every call
@@ -406,8 +448,8 @@ class NeuronBaseForCausalLM(torch.nn.Module):
         if self.on_device_sampling:  # tokens instead of logits (MB:L3851-L3876)
             tokens = sampling.sample(logits[:, -1, :], sampling_params,
                                      nc.on_device_sampling_config)
-            return _Output(None, tokens, tokens)
-        return _Output(logits, logits, logits)
+            return _Output(None, tokens, tokens=tokens)
+        return _Output(logits, logits, tokens=logits)
 
     def _async(self, ids, mask, pos, seq_ids, sampling_params, prefill) -> _Output:
         """causal_lm_async_execution (modules/async_execution.py:L190-L306, CTE + TKG flow).
@@ -547,10 +589,13 @@ class NeuronBaseForCausalLM(torch.nn.Module):
         if not 0 <= line < lines:
             raise IndexError(f"index {line} is out of bounds for dimension 0 with size {lines}")
 
-    def _logits(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        out = self._hf(input_ids=torch.tensor([tokens], dtype=torch.long),
-                       position_ids=torch.tensor([positions], dtype=torch.long), use_cache=False)
-        return out.logits[0, -1, : self.vocab_size].float()  # logits.float() (MB:L1028)
+    def _logits(self, tokens: list[int], positions: list[int], hf=None,
+                vocab_size: int | None = None) -> torch.Tensor:
+        out = (hf or self._hf)(input_ids=torch.tensor([tokens], dtype=torch.long),
+                               position_ids=torch.tensor([positions], dtype=torch.long),
+                               use_cache=False)
+        # logits.float() (MB:L1028)
+        return out.logits[0, -1, : vocab_size or self.vocab_size].float()
 
 
 def program_digest(path) -> str:

@@ -21,7 +21,14 @@ class LlamaInferenceConfig(InferenceConfig):
         return NeuronConfig
 
 
+class NeuronLlamaModel:
+    """The traced decoder (L1336): FusedSpecNeuronConfig names it as worker_cls; the fake
+    computes with the HF model instead."""
+
+
 class NeuronLlamaForCausalLM(NeuronBaseForCausalLM):
+    _model_cls = NeuronLlamaModel  # L1447
+
     @classmethod
     def get_config_cls(cls):  # L1572-L1574
         return LlamaInferenceConfig
