@@ -190,6 +190,19 @@ def _safetensors_tensors(snap: Snapshot, name: str) -> list[tuple[str, list[int]
         raise snap.fail(name, f"has a damaged safetensors header ({exc!r})") from exc
 
 
+def neuron_features(h: dict[str, Any]) -> str:
+    """The compiled-in Inf2 speedups of a handler section, in words ("none" without any)."""
+    n = h["neuron"]
+    q, sp = n.get("quantization") or {}, n.get("speculation") or {}
+    parts = [f"{q['weights']} weights ({q.get('method')})" if q.get("weights") else "",
+             f"{q['kv_cache']} KV cache" if q.get("kv_cache") else "",
+             "on-device sampling" if n.get("on_device_sampling") else "",
+             "async mode" if (h.get("nxdi") or {}).get("async_mode") else "",
+             f"speculation: {sp['length']} tokens from the draft in {sp['draft_checkpoint']}/"
+             if sp.get("draft_checkpoint") else ""]
+    return ", ".join(p for p in parts if p) or "none"
+
+
 def summarize(snap: Snapshot) -> dict[str, Any]:
     """Plain data for the tables (and --json): manifest, config, checkpoint, cache."""
     manifest = snap.json("MAR-INF/MANIFEST.json")
@@ -277,6 +290,7 @@ def _render(path: Path, s: dict[str, Any]) -> None:
     dtype = resolve_dtype(h["backend"], h["dtype"])  # auto: what the backend runs
     if h["backend"] in NEURON_BACKENDS:  # handler.neuron means nothing to the others
         rows.append(("neuron", f"tp_degree={h['neuron']['tp_degree']} amp={DTYPE_AMP[dtype]}"))
+        rows.append(("speedups", neuron_features(h)))
     else:
         rows.append(("dtype", dtype))
     rows += [("workers", f"{c['minWorkers']}..{c['maxWorkers']}"),

@@ -67,6 +67,24 @@ def test_neuron_archive_shows_its_neuron_settings(tiny_checkpoint: Path, tmp_pat
     out = capsys.readouterr().out
     assert "tp_degree=" in out and "Neuron compile cache: none" in out
     assert "amp=bf16" in out  # handler.dtype auto, resolved for the neuron backend
+    assert "speedups" in out and "none" in out
+
+
+def test_neuron_archive_shows_its_quantization_and_device_sampling(
+        tiny_checkpoint: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    import yaml
+
+    data = yaml.safe_load(CONFIG.read_text())
+    data["handler"]["backend"] = "neuron"
+    data["handler"].setdefault("neuron", {}).update(
+        on_device_sampling=True, quantization={"weights": "int8", "kv_cache": "fp8"})
+    config = tmp_path / "q.yaml"
+    config.write_text(yaml.safe_dump(data))
+    archive = package(config, tiny_checkpoint, "q", "no-archive", tmp_path / "store")
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["inspect", str(archive)]) == 0
+    out = capsys.readouterr().out
+    assert "int8 weights (per_channel), fp8 KV cache, on-device sampling" in out
 
 
 def test_json_summary(store: dict[str, Path], capsys) -> None:
