@@ -17,7 +17,7 @@ SHIPPED = sorted((Path(__file__).resolve().parents[2] / "model_configs" / "nxdi"
 
 
 def _instance(path: Path) -> str:
-    return re.sub(r"-(latency|throughput)\.yaml$", "", path.name)
+    return re.match(r"inf2\.\d*xlarge", path.name).group(0)
 
 
 def test_the_set_covers_the_models_and_instances() -> None:
@@ -32,7 +32,8 @@ def test_every_config_validates_on_its_instance(path: Path) -> None:
     assert cfg.handler.backend == "nxdi" and cfg.handler.batching == "continuous"
     report = validate(cfg, ARCHITECTURES[cfg.handler.neuron.architecture], _instance(path))
     assert report.problems == []
-    assert (cfg.handler.batch_size == 1) == path.name.endswith("latency.yaml")
+    assert (cfg.handler.batch_size == 1) == path.name.endswith(("latency.yaml",
+                                                               "speculation.yaml"))
     assert main(["validate", str(path), "--instance", _instance(path)]) == 0
 
 
