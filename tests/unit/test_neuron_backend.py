@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,6 @@ from handlers.config import parse_config
 from handlers.errors import ConfigError, GenerationError, NeuronUnavailableError, RequestError
 from tests.unit.fakes import one_each
 
-FAKES = Path(__file__).resolve().parents[1] / "fakes"
-RT_VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_CC_FLAGS",
-           "NEURON_COMPILE_CACHE_URL")
-FAKE_PACKAGES = ("transformers_neuronx", "torch_neuronx")
 PROMPTS = [[1, 50, 60, 70, 80], [1, 90, 100, 110, 120, 130, 140, 150]]
 
 
@@ -30,19 +25,6 @@ PROMPTS = [[1, 50, 60, 70, 80], [1, 90, 100, 110, 120, 130, 140, 150]]
 def checkpoint(tiny_checkpoint: Path) -> Path:
     return tiny_checkpoint  # tests/conftest.py: the demo model, built once per session
 
-
-@pytest.fixture
-def fake_sdk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """The fake on sys.path, its event log in tmp_path; the Neuron variables restored after."""
-    monkeypatch.syspath_prepend(str(FAKES))
-    events = tmp_path / "events.jsonl"
-    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_EVENTS", str(events))
-    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_DEVICE_DIR", str(tmp_path / "device"))
-    for var in RT_VARS:
-        monkeypatch.setenv(var, "")  # the backend sets them; monkeypatch restores them
-    yield events
-    for name in [m for m in sys.modules if m.split(".")[0] in FAKE_PACKAGES]:
-        del sys.modules[name]  # later tests must not find the fake through sys.modules
 
 
 def _config(tmp_path: Path, batching: str = "continuous", batch_size: int = 2, **neuron):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_checkpoint_compat import LLAMA3_ROPE, _raw_5x_source
-from tests.unit.test_neuron_backend import _backend, _greedy, _reference, fake_sdk  # noqa: F401
+from tests.unit.test_neuron_backend import _backend, _greedy, _reference
 
 PROMPT = [1, 50, 60, 70, 80, 90]
 pytestmark = pytest.mark.skipif(

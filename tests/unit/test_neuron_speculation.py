@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,9 +28,6 @@ from handlers.errors import ConfigError, Inf2ServeError, RequestError
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKES = ROOT / "tests" / "fakes"
-RT_VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_CC_FLAGS",
-           "NEURON_COMPILE_CACHE_URL")
-FAKE_PACKAGES = ("transformers_neuronx", "torch_neuronx")
 K = 4
 TEXTS = ["The quick brown fox", "Once upon a time", "a", "In the beginning the",
          "She said that", "It was the best of times", "Water", "He went to the market and"]
@@ -77,19 +73,6 @@ def tokenizer(model_dir: Path):
 
     return load_tokenizer(model_dir / "model")
 
-
-@pytest.fixture
-def fake_sdk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """The fake on sys.path, its event log in tmp_path; the Neuron variables restored after."""
-    monkeypatch.syspath_prepend(str(FAKES))
-    events = tmp_path / "events.jsonl"
-    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_EVENTS", str(events))
-    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_DEVICE_DIR", str(tmp_path / "device"))
-    for var in RT_VARS:
-        monkeypatch.setenv(var, "")  # the backend sets them; monkeypatch restores them
-    yield events
-    for name in [m for m in sys.modules if m.split(".")[0] in FAKE_PACKAGES]:
-        del sys.modules[name]  # later tests must not find the fake through sys.modules
 
 
 def _handler(tmp_path: Path, batch_size: int = 2, draft: str = "draft", **neuron) -> dict:

@@ -8,8 +8,6 @@ here (tests/unit/test_nxdi_fake.py shows the rules).
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,27 +23,12 @@ from handlers.errors import (
 )
 from tests.unit.fakes import one_each
 
-NXDI = Path(__file__).resolve().parents[1] / "fakes" / "nxdi"
 RT_VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_CC_FLAGS",
            "NEURON_COMPILE_CACHE_URL", "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS",
            "NEURON_RT_IO_RING_CACHE_SIZE", "XLA_HANDLE_SPECIAL_SCALAR", "UNSAFE_FP8FNCAST")
-FAKE_PACKAGES = ("neuronx_distributed_inference", "neuronx_distributed")
 PROMPTS = [[1, 50, 60, 70, 80], [1, 90, 100, 110, 120, 130, 140, 150]]
 TRANSFORMERS_5 = int(__import__("transformers").__version__.split(".")[0]) >= 5
 
-
-@pytest.fixture
-def fake_nxdi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """The fake on sys.path, its event log in tmp_path; the Neuron variables restored after."""
-    monkeypatch.syspath_prepend(str(NXDI))
-    events = tmp_path / "events.jsonl"
-    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_EVENTS", str(events))
-    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_DEVICE_DIR", str(tmp_path / "device"))
-    for var in RT_VARS:
-        monkeypatch.setenv(var, "")
-    yield events
-    for name in [m for m in sys.modules if m.split(".")[0] in FAKE_PACKAGES]:
-        del sys.modules[name]
 
 
 def _config(tmp_path: Path, batch_size: int = 2, nxdi: dict | None = None, **neuron):

@@ -12,8 +12,6 @@ import json
 import logging
 import os
 import shutil
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,10 +22,7 @@ from handlers.errors import CacheError, ConfigError
 from neuron_cache.key import key_inputs, read_model_config
 from tests.unit.fakes import one_each
 from tests.unit.test_nxdi_backend import (
-    FAKE_PACKAGES,
-    NXDI,
     PROMPTS,
-    RT_VARS,
     _backend,
     _config,
     _events,
@@ -37,19 +32,6 @@ from tests.unit.test_nxdi_backend import (
 
 INT8 = {"quantization": {"weights": "int8"}}
 
-
-@pytest.fixture
-def fake_nxdi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """The fake on sys.path, its event log in tmp_path (as test_nxdi_backend's fixture)."""
-    monkeypatch.syspath_prepend(str(NXDI))
-    events = tmp_path / "events.jsonl"
-    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_EVENTS", str(events))
-    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_DEVICE_DIR", str(tmp_path / "device"))
-    for var in RT_VARS:
-        monkeypatch.setenv(var, "")
-    yield events
-    for name in [m for m in sys.modules if m.split(".")[0] in FAKE_PACKAGES]:
-        del sys.modules[name]
 
 
 def _entry_checkpoint(backend) -> Path:

@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,10 +29,6 @@ from handlers.errors import ConfigError, RequestError
 
 ROOT = Path(__file__).resolve().parents[2]
 NXDI = ROOT / "tests" / "fakes" / "nxdi"
-RT_VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES", "NEURON_CC_FLAGS",
-           "NEURON_COMPILE_CACHE_URL", "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS",
-           "NEURON_RT_IO_RING_CACHE_SIZE", "XLA_HANDLE_SPECIAL_SCALAR", "UNSAFE_FP8FNCAST")
-FAKE_PACKAGES = ("neuronx_distributed_inference", "neuronx_distributed")
 K = 3  # drafts a step: speculation_length S = K + 1
 S = K + 1
 TEXTS = ["The quick brown fox", "Once upon a time", "In the beginning the", "She said that",
@@ -73,19 +68,6 @@ def tokenizer(model_dir: Path):
 
     return load_tokenizer(model_dir / "model")
 
-
-@pytest.fixture
-def fake_nxdi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """The fake on sys.path, its event log in tmp_path; the Neuron variables restored after."""
-    monkeypatch.syspath_prepend(str(NXDI))
-    events = tmp_path / "events.jsonl"
-    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_EVENTS", str(events))
-    monkeypatch.setenv("INF2SERVE_FAKE_NEURON_DEVICE_DIR", str(tmp_path / "device"))
-    for var in RT_VARS:
-        monkeypatch.setenv(var, "")
-    yield events
-    for name in [m for m in sys.modules if m.split(".")[0] in FAKE_PACKAGES]:
-        del sys.modules[name]
 
 
 def _handler(tmp_path: Path, batch_size: int = 2, draft: str = "draft", nxdi: dict | None = None,
