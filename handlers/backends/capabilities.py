@@ -72,3 +72,36 @@ def check_defaults(config: HandlerConfig, caps: Capabilities) -> None:
         check_sampling(params, caps)
     except RequestError as exc:
         raise ConfigError(f"handler.defaults.{exc.field}: {exc.message}") from None
+
+
+#: why an on-device sampler refuses a feature: both Neuron backends' samplers take per row
+#: only top-k (after a global top-k), top-p and temperature, draw from the device's own RNG
+#: (no seed input) and return token ids, not logits
+ON_DEVICE_WHY = ("handler.neuron.on_device_sampling samples on the device, which takes only "
+                 "top_k, top_p and temperature per request and returns token ids; turn it off "
+                 "to sample on the host")
+#: a greedy request on such a sampler: the best token only
+GREEDY_ROW = (1, 1.0, 1.0)
+
+
+def on_device_capabilities(global_top_k: int,
+                           reasons: Mapping[str, str] | None = None) -> Capabilities:
+    """What an on-device sampler honours; `reasons` overrides the reason of a feature
+    refused for a cause of the backend's own (NxD Inference's prompt logprobs)."""
+    unsupported = {f: ON_DEVICE_WHY for f in ("seed", "min_new_tokens", "repetition_penalty",
+                                              "frequency_penalty", "presence_penalty",
+                                              "logprobs", "prompt_logprobs")}
+    return Capabilities({**unsupported, **(reasons or {})}, max_top_k=global_top_k,
+                        max_top_k_setting="handler.neuron.global_top_k, the most the on-device "
+                        "sampler considers")
+
+
+def device_sampling_row(p: SamplingParams, caps: Capabilities,
+                        global_top_k: int) -> tuple[int, float, float]:
+    """(top_k, top_p, temperature) of a request for an on-device sampler, checked against
+    `caps` again (the engine is public). top_k 0 ("off") is every token the global top-k
+    keeps (0 would mean uniform there)."""
+    check_sampling(p, caps)
+    if p.greedy:
+        return GREEDY_ROW
+    return (int(p.top_k or global_top_k), float(p.top_p), float(p.temperature))

@@ -41,7 +41,12 @@ from handlers.backends.base import (
     import_sdk_class,
     read_eos_ids,
 )
-from handlers.backends.capabilities import check_sampling, sampling_group
+from handlers.backends.capabilities import (
+    GREEDY_ROW,
+    device_sampling_row,
+    on_device_capabilities,
+    sampling_group,
+)
 from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.config import HandlerConfig
@@ -92,45 +97,20 @@ def check_keywords(fn: Any, names: Sequence[str], what: str) -> None:
                           "transformers-neuronx that do (0.13.x, Neuron SDK 2.21+)")
 
 
-#: (top_k, top_p, temperature) of a greedy request on the device: only the best token
-#: survives top-k 1 (layers/generation.py:L153-L176), as vLLM maps temperature 0
-GREEDY_ROW = (1, 1.0, 1.0)
 QUANT_KEY = "handler.neuron.quantization"
 
 
-def on_device_capabilities(global_top_k: int) -> Capabilities:
-    """The device's sampler takes per slot only top-k (after a global top-k), top-p and
-    temperature, draws from its own RNG, which has no seed input, and returns token ids,
-    not logits (layers/generation.py:L17-L199, hlo.py:L2422-L2456; base.py:L712-L713)."""
-    why = ("handler.neuron.on_device_sampling samples on the device, which takes only top_k, "
-           "top_p and temperature per request and returns token ids; turn it off to sample "
-           "on the host")
-    unsupported = {f: why for f in ("seed", "min_new_tokens", "repetition_penalty",
-                                    "frequency_penalty", "presence_penalty", "logprobs",
-                                    "prompt_logprobs")}
-    return Capabilities(unsupported, max_top_k=global_top_k,
-                        max_top_k_setting="handler.neuron.global_top_k, the most the on-device "
-                        "sampler considers")
-
-
 def capabilities(config: HandlerConfig) -> Capabilities:
-    """What a NeuronBackend of `config` honours (handlers.backends.capabilities_for)."""
+    """What a NeuronBackend of `config` honours (handlers.backends.capabilities_for). The
+    device's sampler takes per slot only top-k (after a global top-k), top-p and
+    temperature, draws from its own RNG, which has no seed input, and returns token ids
+    (layers/generation.py:L17-L199, hlo.py:L2422-L2456; base.py:L712-L713); a greedy row
+    is top-k 1 (layers/generation.py:L153-L176), as vLLM maps temperature 0."""
     if config.batching != "continuous":
         return _MicroRunner.CAPABILITIES
     if config.neuron.on_device_sampling:
         return on_device_capabilities(config.neuron.global_top_k)
     return _ContinuousRunner.CAPABILITIES
-
-
-def device_sampling_row(p: SamplingParams, caps: Capabilities, global_top_k: int
-                        ) -> tuple[int, float, float]:
-    """(top_k, top_p, temperature) of a request for the on-device sampler, checked against
-    `caps` again (the engine is public). top_k 0 ("off") is every token the global top-k
-    keeps."""
-    check_sampling(p, caps)
-    if p.greedy:
-        return GREEDY_ROW
-    return (int(p.top_k or global_top_k), float(p.top_p), float(p.temperature))
 
 
 def generation_config(flags: dict[str, Any], rows: Sequence[tuple[int, float, float]]) -> Any:

@@ -54,7 +54,8 @@ from handlers.backends.base import (
     import_sdk_class,
     read_eos_ids,
 )
-from handlers.backends.capabilities import check_sampling
+from handlers.backends.capabilities import device_sampling_row as capabilities_row
+from handlers.backends.capabilities import on_device_capabilities
 from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.config import HandlerConfig
@@ -389,31 +390,19 @@ def capabilities(on_device_sampling: bool, global_topk: int) -> Capabilities:
     logprobs; the on-device sampler (modules/generation/sampling.py:L99-L182) takes per
     row only top-k (at most global_topk), top-p and temperature, draws from the device's
     own RNG and returns token ids, not logits."""
-    why = ("handler.neuron.on_device_sampling samples on the device, which takes only top_k, "
-           "top_p and temperature per request and returns token ids; turn it off to sample "
-           "on the host")
-    unsupported = {"prompt_logprobs": "handler.backend nxdi returns logits for the last "
-                   "prompt position only, so there are no prompt logprobs; send echo without "
-                   "logprobs, or use backend torch"}
+    prompt = {"prompt_logprobs": "handler.backend nxdi returns logits for the last prompt "
+              "position only, so there are no prompt logprobs; send echo without logprobs, or "
+              "use backend torch"}
     if not on_device_sampling:
-        return Capabilities(unsupported)
-    for feature in ("seed", "min_new_tokens", "repetition_penalty", "frequency_penalty",
-                    "presence_penalty", "logprobs"):
-        unsupported[feature] = why
-    return Capabilities(unsupported, max_top_k=global_topk,
-                        max_top_k_setting="handler.neuron.global_top_k, the most the on-device "
-                        "sampler considers")
+        return Capabilities(prompt)
+    return on_device_capabilities(global_topk, prompt)
 
 
 def device_sampling_row(p: SamplingParams, caps: Capabilities, global_topk: int
                         ) -> list[float]:
-    """(top_k, top_p, temperature) for the on-device sampler (sampling.py:L99-L182), for a
-    request the APIs already checked against `caps` (checked again: the engine is public)."""
-    check_sampling(p, caps)
-    if p.greedy:
-        return [1.0, 1.0, 1.0]
-    # top_k 0 ("off") becomes global_topk: 0 means uniform there (sampling.py:L133-L134)
-    return [float(p.top_k or global_topk), float(p.top_p), float(p.temperature)]
+    """(top_k, top_p, temperature) as the on-device sampler's float tensor row
+    (sampling.py:L99-L182; top_k 0 would mean uniform there, sampling.py:L133-L134)."""
+    return [float(x) for x in capabilities_row(p, caps, global_topk)]
 
 
 @dataclass
