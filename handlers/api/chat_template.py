@@ -9,6 +9,7 @@ is tokenized without a second BOS when the template already wrote one.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -92,19 +93,48 @@ def template_for(tokenizer: Any, setting: str) -> str:
     return template
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], setting: str = "") -> str:
-    """Apply the chat template; a template's raise_exception becomes a 400 on `messages`."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], setting: str = "",
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """Apply the chat template (with `tools` when given); a template's raise_exception
+    becomes a 400 on `messages`."""
     from jinja2.exceptions import TemplateError
 
     template = template_for(tokenizer, setting)
+    extra = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, **extra)
     except TemplateError as exc:
         raise RequestError("messages", f"chat template rejected the messages: {exc}") from exc
     if not isinstance(text, str):  # defensive: some versions return a list for one chat
         text = text[0]
     return text
+
+
+def takes_tools(tokenizer: Any, setting: str = "") -> bool:
+    """Whether the chat template has a tool format: a probe tool's name shows up in the
+    prompt it renders (transformers before 4.42 passes no tools to templates: False)."""
+    from handlers.api.tool_calls import PROBE_NAME, PROBE_TOOLS
+
+    try:
+        template = template_for(tokenizer, setting)
+    except RequestError:
+        return False
+    return _takes_tools(tokenizer, template, PROBE_NAME, json.dumps(PROBE_TOOLS))
+
+
+@functools.lru_cache(maxsize=16)
+def _takes_tools(tokenizer: Any, template: str, name: str, tools: str) -> bool:
+    from jinja2.exceptions import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                             chat_template=template, tokenize=False,
+                                             add_generation_prompt=True,
+                                             tools=json.loads(tools))
+    except (TemplateError, TypeError, ValueError):
+        return False
+    return name in (text if isinstance(text, str) else str(text))
 
 
 def encode_chat(tokenizer: Any, text: str) -> list[int]:

@@ -22,15 +22,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from handlers.api.chat_template import encode_chat, render_chat
+from handlers.api import tool_calls
+from handlers.api.chat_template import encode_chat, render_chat, takes_tools
 from handlers.api.native import Api, Immediate, Prepared
 from handlers.api.openai_extensions import EXTENSIONS, extensions, logprobs_asked, stream_options
 from handlers.api.openai_framing import OpenAIErrorFramer, ResponseMeta, openai_framer
 from handlers.api.request import (
     GenerationRequest,
-    check_length,
+    brief,
     closest_hint,
     decode_body,
+    fit_to_context,
     parse_request,
 )
 from handlers.errors import RequestError
@@ -56,8 +58,6 @@ HARMLESS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "metadata": (lambda v: isinstance(v, dict), "an object"),
     "service_tier": (lambda v: v in ("auto", "default"), "'auto' or 'default'"),
     "response_format": (lambda v: v == {"type": "text"}, "{\"type\": \"text\"}"),
-    "tools": (lambda v: v == [], "[] (no tool calling)"),
-    "tool_choice": (lambda v: v in ("none", "auto"), "'none' (no tool calling)"),
     "parallel_tool_calls": (lambda v: isinstance(v, bool), "true or false"),
 }
 COMMON = ("model", "stream_options", "n", "logit_bias", "user", *EXTENSIONS,
@@ -66,8 +66,11 @@ COMPLETION_FIELDS = ("prompt", "max_tokens", "logprobs", "echo", "best_of", "suf
 CHAT_FIELDS = ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
                "store", "metadata", "service_tier", "response_format", "tools", "tool_choice",
                "parallel_tool_calls", *COMMON)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 MESSAGE_KEYS = ("role", "content", "name")
+#: what tool calling adds to a message: an assistant turn's calls, a tool result's call id
+TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
 ENDPOINTS = ("v1/completions", "v1/chat/completions", "v1/models", "v1/models/{model}",
              "health", "ping", "version")
 
@@ -91,10 +94,10 @@ def check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, An
             raise RequestError(str(key), "unrecognized request argument"
                                f"{closest_hint(key, allowed)}")
         if key in HARMLESS and not HARMLESS[key][0](value):
-            raise RequestError(key, f"{value!r} is not supported; this server accepts only "
+            raise RequestError(key, f"{brief(value)} is not supported; this server accepts only "
                                f"{HARMLESS[key][1]}")
     if "model" in body and not isinstance(body["model"], str):
-        raise RequestError("model", f"expected a string, got {body['model']!r}")
+        raise RequestError("model", f"expected a string, got {brief(body['model'])}")
     return body
 
 
@@ -111,9 +114,9 @@ def to_generation_request(body: dict[str, Any], prompt: str, config: Any,
 
 
 def check_fit(prompt_ids: list[int], request: GenerationRequest, max_length: int,
-              names: dict[str, str]) -> None:
+              names: dict[str, str]) -> GenerationRequest:
     try:
-        check_length(len(prompt_ids), request.max_new_tokens, max_length)
+        return fit_to_context(request, len(prompt_ids), max_length)
     except RequestError as exc:
         raise RequestError(names.get(exc.field, exc.field), exc.message, exc.status) from exc
 
@@ -131,7 +134,7 @@ def completion_prompt(body: dict[str, Any]) -> str | list[int]:
                            "ids, or a list holding one of them (lm-evaluation-harness: "
                            "batch_size=1)")
     if not isinstance(prompt, str):
-        raise RequestError("prompt", f"required: a non-empty string, got {prompt!r}")
+        raise RequestError("prompt", f"required: a non-empty string, got {brief(prompt)}")
     return prompt
 
 
@@ -153,25 +156,40 @@ def _content(value: Any, where: str) -> str:
                        "({\"type\": \"text\", \"text\": ...}); images and audio are not supported")
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def parse_messages(body: dict[str, Any], tools_ok: bool = False) -> list[dict[str, Any]]:
+    """The chat's messages as the template reads them. Tool results (`role: "tool"`) and an
+    assistant's `tool_calls` need a template with a tool format (`tools_ok`)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "required: a non-empty list of {\"role\", \"content\"} "
                            "objects")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise RequestError(where, f"expected an object, got {message!r}")
-        extra = [k for k, v in message.items() if k not in MESSAGE_KEYS and v is not None]
-        if extra:
-            raise RequestError(f"{where}.{extra[0]}", "not supported (no tool calling); a "
-                               "message has role, content and optionally name")
+            raise RequestError(where, f"expected an object, got {brief(message)}")
         role = message.get("role")
         if role not in ROLES:
-            raise RequestError(f"{where}.role", f"{role!r} is not allowed; choose one of "
+            raise RequestError(f"{where}.role", f"{brief(role)} is not allowed; choose one of "
                                f"{', '.join(repr(r) for r in ROLES)}")
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), where)})
+        allowed = MESSAGE_KEYS + TOOL_KEYS.get(role, ())
+        extra = [k for k, v in message.items() if k not in allowed and v is not None]
+        if extra:
+            raise RequestError(f"{where}.{extra[0]}", f"not supported in a {role!r} message; "
+                               f"it has {', '.join(allowed)}")
+        uses_tools = role == "tool" or message.get("tool_calls") is not None
+        if uses_tools and not tools_ok:
+            raise RequestError(f"{where}.{'role' if role == 'tool' else 'tool_calls'}",
+                               "this model's chat template has no tool format, so it cannot "
+                               "read tool calls or results; send plain messages")
+        if message.get("tool_calls") is not None:
+            out.append(tool_calls.chat_message(message, where))
+            continue
+        entry: dict[str, Any] = {"role": ROLES[role],
+                                 "content": _content(message.get("content"), where)}
+        if role == "tool" and message.get("tool_call_id") is not None:
+            entry["tool_call_id"] = str(message["tool_call_id"])
+        out.append(entry)
     return out
 
 
@@ -200,8 +218,8 @@ def model_name(body: dict[str, Any], service: Any) -> str:
     served = served_name(_checkpoint_dir(service))
     asked = body.get("model")
     if asked not in (None, served):
-        raise RequestError("model", f"the model {asked!r} does not exist; this endpoint serves "
-                           f"{served!r} (GET v1/models lists it)", status=404)
+        raise RequestError("model", f"the model {brief(asked)} does not exist; this endpoint "
+                           f"serves {served!r} (GET v1/models lists it)", status=404)
     return served
 
 
@@ -229,7 +247,7 @@ class CompletionsApi:
         body = check_fields(decode_json(payload, content_type), COMPLETION_FIELDS)
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
-            raise RequestError("echo", f"expected true or false, got {echo!r}")
+            raise RequestError("echo", f"expected true or false, got {brief(echo)}")
         prompt = completion_prompt(body)
         if isinstance(prompt, list):
             check_token_ids(prompt, service.tokenizer)
@@ -257,7 +275,7 @@ class CompletionsApi:
         meta = _meta(body, service, chat=False, echo=text if echo else None,
                      echo_ids=tuple(prompt_ids), hide_generated=score_only,
                      token_text=token_text)
-        check_fit(prompt_ids, request, service.limits.max_length, self.names)
+        request = check_fit(prompt_ids, request, service.limits.max_length, self.names)
         return Prepared(request, prompt_ids,
                         openai_framer(meta, request.stream, len(prompt_ids)))
 
@@ -282,9 +300,19 @@ class ChatCompletionsApi:
                 raise RequestError("max_completion_tokens", "differs from max_tokens; send one")
             limit = "max_completion_tokens"
         names = {"max_new_tokens": limit, "min_new_tokens": "min_tokens", "prompt": "messages"}
-        messages = parse_messages(body)
         handler = service.config.handler
-        text = render_chat(service.tokenizer, messages, handler.chat_template)
+        asked = tool_calls.parse_tools(body)
+        needs_tools = asked is not None or any(
+            isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
+            for m in body.get("messages") or ())
+        tools_ok = needs_tools and takes_tools(service.tokenizer, handler.chat_template)
+        if asked is not None and asked.forced and not tools_ok:
+            raise RequestError("tool_choice", f"{asked.choice!r} needs a model that calls "
+                               "tools, and this model's chat template has no tool format; "
+                               "send \"auto\" or \"none\" (answered as plain chat)")
+        messages = parse_messages(body, tools_ok)
+        tools = asked.rendered() if asked and tools_ok and asked.choice != "none" else None
+        text = render_chat(service.tokenizer, messages, handler.chat_template, tools)
         request = to_generation_request(body, text, handler, names)
         logprobs = logprobs_asked(body, chat=True)
         _no_stream_logprobs(body, logprobs)
@@ -292,9 +320,10 @@ class ChatCompletionsApi:
                                                        service.limits.capabilities,
                                                        logprobs, echo=False))
         token_text = functools.partial(token_string, service.tokenizer)
-        meta = _meta(body, service, chat=True, token_text=token_text)
+        meta = _meta(body, service, chat=True, token_text=token_text,
+                     tool_calls=tools is not None)
         prompt_ids = encode_chat(service.tokenizer, text)
-        check_fit(prompt_ids, request, service.limits.max_length, names)
+        request = check_fit(prompt_ids, request, service.limits.max_length, names)
         return Prepared(request, prompt_ids,
                         openai_framer(meta, request.stream, len(prompt_ids)))
 

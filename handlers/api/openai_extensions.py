@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from handlers.api.request import bounded_float
+from handlers.api.request import bounded_float, brief
 from handlers.backends.base import Capabilities, SamplingParams
 from handlers.backends.capabilities import check_sampling
 from handlers.errors import RequestError
@@ -40,7 +40,8 @@ def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     for key in allowed:
         value = options.get(key, False)
         if not isinstance(value, bool):
-            raise RequestError("stream_options", f"{key}: expected true or false, got {value!r}")
+            raise RequestError("stream_options",
+                               f"{key}: expected true or false, got {brief(value)}")
         values.append(value)
     include, continuous = values
     return include, include and continuous  # vLLM: continuous stats need include_usage
@@ -51,7 +52,7 @@ def _count(body: dict[str, Any], key: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
-        raise RequestError(key, f"expected an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        raise RequestError(key, f"expected an integer in [0, {MAX_LOGPROBS}], got {brief(value)}")
     return value
 
 
@@ -62,7 +63,7 @@ def logprobs_asked(body: dict[str, Any], chat: bool) -> int | None:
         return _count(body, "logprobs")
     asked = body.get("logprobs", False)
     if not isinstance(asked, bool):
-        raise RequestError("logprobs", f"expected true or false, got {asked!r}")
+        raise RequestError("logprobs", f"expected true or false, got {brief(asked)}")
     top = _count(body, "top_logprobs")
     if top is not None and not asked:
         if top == 0:
@@ -77,7 +78,7 @@ def extensions(body: dict[str, Any], sampling: SamplingParams, caps: Capabilitie
     what this backend can do (backends/capabilities.py), under OpenAI's field names."""
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        raise RequestError("ignore_eos", f"expected true or false, got {ignore_eos!r}")
+        raise RequestError("ignore_eos", f"expected true or false, got {brief(ignore_eos)}")
     params = replace(
         sampling, ignore_eos=ignore_eos,
         repetition_penalty=bounded_float(body, "repetition_penalty", 1.0, 0, 10, lo_open=True),

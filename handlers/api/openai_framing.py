@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from handlers.api.framing import ERROR_TYPES
+from handlers.api.tool_calls import may_be_tool_call, parse_tool_calls
 from handlers.backends.base import TokenLogprob
 from handlers.engine.scheduler import FinishEvent
 
@@ -56,6 +57,7 @@ class ResponseMeta:
     echo_ids: tuple[int, ...] = ()  # its token ids (logprobs with echo)
     hide_generated: bool = False  # echo with max_tokens 0: the prompt alone is the answer
     token_text: Callable[[int], str] = str  # a token id's text in logprobs
+    tool_calls: bool = False  # tools were rendered: read a tool call out of the answer
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -136,8 +138,14 @@ class OpenAIJsonFramer(OpenAIErrorFramer):
     def final(self, event: FinishEvent) -> str:
         meta = self.meta
         if meta.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": event.text},
-                      "logprobs": chat_logprobs(meta, event), "finish_reason": event.reason}
+            calls = parse_tool_calls(event.text) if meta.tool_calls else None
+            message: dict[str, Any] = {"role": "assistant", "content": event.text}
+            reason = event.reason
+            if calls:  # OpenAI: content null beside the calls; vLLM: finish "tool_calls"
+                message, reason = {"role": "assistant", "content": None,
+                                   "tool_calls": calls}, "tool_calls"
+            choice = {"index": 0, "message": message,
+                      "logprobs": chat_logprobs(meta, event), "finish_reason": reason}
             obj = meta.head("chat.completion")
         else:
             text = "" if meta.hide_generated else event.text
@@ -163,6 +171,10 @@ class OpenAISseFramer(OpenAIErrorFramer):
         self.counts_tokens = meta.continuous_usage
         self.prompt_tokens = prompt_tokens
         self.tokens = 0
+        #: with tools, text that may open a tool call is held back until it is decided:
+        #: None undecided, True a tool call (held to the end), False plain content
+        self.held = ""
+        self.calling: bool | None = None if meta.tool_calls else False
 
     def _event(self, choices: list[dict], event: FinishEvent | None = None) -> str:
         obj = self.meta.head("chat.completion.chunk" if self.meta.chat else "text_completion")
@@ -187,13 +199,39 @@ class OpenAISseFramer(OpenAIErrorFramer):
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def chunk(self, text: str) -> str:
+        if self.calling is not False:
+            self.held += text
+            self.calling = may_be_tool_call(self.held)
+            if self.calling is not False:
+                return ""
+            text, self.held = self.held, ""
         if not text:
             return ""
         return self._event([self._choice(text, None)])
 
+    def _calls(self) -> str:
+        """The held answer as tool-call deltas (each call whole in one delta, which clients
+        accumulate as they do partial ones), or as content when it did not parse."""
+        held, self.held = self.held, ""
+        calls = parse_tool_calls(held)
+        if not calls:
+            return self._event([self._choice(held, None)]) if held else ""
+        delta: dict[str, Any] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        if not self.role_sent:
+            delta = {"role": "assistant", "content": None, **delta}
+            self.role_sent = True
+        return self._event([{"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": None}])
+
     def final(self, event: FinishEvent) -> str:
         self.tokens = event.completion_tokens
-        out = self._event([self._choice("", event.reason)])
+        reason = event.reason
+        out = ""
+        if self.held or self.calling:
+            called = bool(parse_tool_calls(self.held))
+            out = self._calls()
+            reason = "tool_calls" if called else reason
+        out += self._event([self._choice("", reason)])
         if self.meta.include_usage:
             out += self._event([], event)
         return out + DONE

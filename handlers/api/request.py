@@ -10,7 +10,7 @@ import difflib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from handlers.backends.base import SamplingParams
@@ -35,6 +35,9 @@ class GenerationRequest:
     stream_format: str  # text | ndjson
     details: bool = False  # add the generated token ids to the final answer
     timeout_s: float | None = None  # deadline, seconds from arrival; None = none
+    #: the client asked for more than handler.max_new_tokens_limit, which reads as "as many
+    #: as you allow": capped at the limit, and at the room the prompt leaves (fit_to_context)
+    up_to_limit: bool = False
 
 
 FIELDS = ("prompt", "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "stop",
@@ -45,6 +48,16 @@ ALIASES = {"max_tokens": "max_new_tokens"}
 #: the sampling ranges a request may ask for (docs/request-api.md states them)
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1_000_000
+#: the largest token budget a request may name (OpenAI's integer range); anything above the
+#: server's limit is capped to it, not refused
+MAX_REQUESTED_TOKENS = 2**31 - 1
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """repr(value) for an error message, cut to `limit` characters: a message names the
+    field and what is wrong, and never echoes a large value (a tools list, a long prompt)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def closest_hint(name: str, valid: tuple[str, ...]) -> str:
@@ -146,7 +159,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def _int(body: dict, name: str, default: int, lo: int, hi: int) -> int:
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(name, f"expected an integer in [{lo}, {hi}], got {value!r}")
+        raise RequestError(name, f"expected an integer in [{lo}, {hi}], got {brief(value)}")
     if not lo <= value <= hi:
         raise RequestError(name, f"{value} is out of range; allowed [{lo}, {hi}]")
     return value
@@ -159,7 +172,7 @@ def bounded_float(body: dict, name: str, default: float, lo: float, hi: float,
     value = body.get(name, default)
     rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(name, f"expected a number in {rng}, got {value!r}")
+        raise RequestError(name, f"expected a number in {rng}, got {brief(value)}")
     if value < lo or value > hi or (lo_open and value == lo):
         raise RequestError(name, f"{value} is out of range; allowed {rng}")
     return float(value)
@@ -187,7 +200,7 @@ def _timeout(body: dict, config: HandlerConfig) -> float | None:
     value = body["timeout"]
     rng = f"(0, {cap:g}] (handler.max_request_timeout_s)" if cap else "(0, inf)"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError("timeout", f"expected a number of seconds in {rng}, got {value!r}")
+        raise RequestError("timeout", f"expected a number of seconds in {rng}, got {brief(value)}")
     if value <= 0 or (cap and value > cap):
         raise RequestError("timeout", f"{value} is out of range; allowed {rng}")
     return float(value)
@@ -202,8 +215,9 @@ def _max_name(body: dict[str, Any]) -> str:
         return "max_tokens"
     if body["max_tokens"] != body["max_new_tokens"] or type(body["max_tokens"]) is not type(
             body["max_new_tokens"]):
-        raise RequestError("max_tokens", f"max_tokens {body['max_tokens']!r} and max_new_tokens "
-                           f"{body['max_new_tokens']!r} differ; max_tokens is an alias of "
+        raise RequestError("max_tokens", f"max_tokens {brief(body['max_tokens'])} and "
+                           f"max_new_tokens {brief(body['max_new_tokens'])} differ; max_tokens is "
+                           "an alias of "
                            "max_new_tokens, so send one of them")
     return "max_new_tokens"
 
@@ -232,7 +246,8 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
                            f"tokens fit (handler.max_length), and prompts over "
                            f"{config.max_length * MAX_CHARS_PER_TOKEN} characters are refused "
                            "untokenized")
-    max_new = _int(body, _max_name(body), d.max_new_tokens, 1, config.max_new_tokens_limit)
+    asked = _int(body, _max_name(body), d.max_new_tokens, 1, MAX_REQUESTED_TOKENS)
+    max_new = min(asked, config.max_new_tokens_limit)
     min_new = _int(body, "min_new_tokens", min(d.min_new_tokens, max_new), 0, max_new)
     seed = body.get("seed", d.seed)
     if seed is not None:
@@ -246,17 +261,36 @@ def parse_request(body: dict[str, Any], config: HandlerConfig,
     )  # what the backend can honour is checked by the API (backends/capabilities.py)
     stream = body.get("stream", d.stream)
     if not isinstance(stream, bool):
-        raise RequestError("stream", f"expected true or false, got {stream!r}")
+        raise RequestError("stream", f"expected true or false, got {brief(stream)}")
     fmt = body.get("stream_format", default_stream_format(body, d.stream_format))
     if fmt not in ("text", "ndjson"):
-        raise RequestError("stream_format", f"{fmt!r} is not allowed; choose 'text' or 'ndjson'")
+        raise RequestError("stream_format",
+                           f"{brief(fmt)} is not allowed; choose 'text' or 'ndjson'")
     details = body.get("details", d.details)
     if not isinstance(details, bool):
-        raise RequestError("details", f"expected true or false, got {details!r}")
+        raise RequestError("details", f"expected true or false, got {brief(details)}")
     return GenerationRequest(prompt=prompt, max_new_tokens=max_new, min_new_tokens=min_new,
                              sampling=sampling, stop=_stop(body, d.stop), stream=stream,
                              stream_format=fmt, details=details,
-                             timeout_s=_timeout(body, config))
+                             timeout_s=_timeout(body, config),
+                             up_to_limit=asked > config.max_new_tokens_limit)
+
+
+def fit_to_context(request: GenerationRequest, prompt_tokens: int, max_length: int,
+                   max_prompt_length: int | None = None) -> GenerationRequest:
+    """The request as it will run: a budget asked above the server's limit also shrinks to
+    the room the prompt leaves (a chat UI's `max_tokens: 1000` title request on a small
+    model), while a budget within the limit that does not fit is a 400 naming it, as vLLM
+    answers; a prompt that does not fit is a 400 either way."""
+    if request.up_to_limit:
+        room = max_length - prompt_tokens
+        if 1 <= room < request.max_new_tokens:
+            request = replace(request, max_new_tokens=room,
+                              min_new_tokens=min(request.min_new_tokens, room),
+                              sampling=replace(request.sampling, min_new_tokens=min(
+                                  request.sampling.min_new_tokens, room)))
+    check_length(prompt_tokens, request.max_new_tokens, max_length, max_prompt_length)
+    return request
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, max_length: int,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from handlers.api.request import GenerationRequest, check_length
+from handlers.api.request import GenerationRequest, fit_to_context
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig
 from handlers.engine.core import Observer, QueueSink
@@ -90,8 +90,8 @@ class GenerationService:
                ) -> asyncio.Queue[Event]:
         """Queue the request; its events arrive on the returned queue (raises on 4xx/503),
         its text, given `on_text`, in calls to that on the loop's thread."""
-        check_length(len(prompt_ids), request.max_new_tokens, self.limits.max_length,
-                     self.limits.max_prompt_length)
+        request = fit_to_context(request, len(prompt_ids), self.limits.max_length,
+                                 self.limits.max_prompt_length)
         sink = QueueSink(loop, asyncio.Queue(), on_text)
         arrived_at = time.monotonic()
         deadline = None if request.timeout_s is None else arrived_at + request.timeout_s

@@ -146,7 +146,7 @@ OPENAI_BAD = [  # (name, raw body, url path, param)
     ("token id outside the vocabulary", body({**C, "prompt": [1, 10**6]}), COMPLETIONS, "prompt"),
     ("timeout 0", body({**C, "timeout": 0}), COMPLETIONS, "timeout"),
     ("timeout a string", body({**M, "timeout": "5"}), CHAT, "timeout"),
-    ("tools", body({**M, "tools": [{"type": "function"}]}), CHAT, "tools"),
+    ("tools", body({**M, "tools": [{"type": "function"}]}), CHAT, "tools[0].function"),
     ("min_tokens over max", body({**C, "max_tokens": 2, "min_tokens": 3}), COMPLETIONS,
      "min_tokens"),
     ("malformed JSON", b'{"prompt": ', COMPLETIONS, None),

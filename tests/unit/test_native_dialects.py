@@ -36,8 +36,16 @@ def test_max_tokens_and_max_new_tokens_that_differ_name_both(other) -> None:
 
 def test_a_bad_max_tokens_is_named_as_sent() -> None:
     with pytest.raises(RequestError) as err:
-        parse_request({"prompt": "x", "max_tokens": 65}, CFG)
-    assert err.value.field == "max_tokens" and "[1, 64]" in err.value.message
+        parse_request({"prompt": "x", "max_tokens": 0}, CFG)
+    assert err.value.field == "max_tokens" and "[1, " in err.value.message
+
+
+def test_a_budget_over_the_servers_limit_is_capped_not_refused() -> None:
+    """A chat UI's `max_tokens: 1000` reads as "as many as you allow" (handler limit 64)."""
+    capped = parse_request({"prompt": "x", "max_tokens": 1000}, CFG)
+    assert capped.max_new_tokens == 64 and capped.up_to_limit
+    within = parse_request({"prompt": "x", "max_tokens": 64}, CFG)
+    assert within.max_new_tokens == 64 and not within.up_to_limit
 
 
 def test_framing_follows_the_dialect_unless_stream_format_is_named() -> None:

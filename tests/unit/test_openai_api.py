@@ -115,7 +115,8 @@ def test_stream_and_defaults_follow_openai_not_the_native_config(service) -> Non
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "n": 2}, "n"),
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 10_000}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 2**31}, "max_tokens"),
+    ({"prompt": "hi " * 50, "max_tokens": 20}, "max_tokens"),
     ({"prompt": "hi", "min_tokens": 99}, "min_tokens"),
     ({"prompt": "hi", "temperature": "hot"}, "temperature"),
     ({"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
@@ -229,7 +230,8 @@ def test_template_exceptions_are_400_on_messages(service) -> None:
     ({"messages": CHAT, "max_tokens": -1}, "max_tokens"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": CHAT, "max_completion_tokens": 4, "max_tokens": 5}, "max_completion_tokens"),
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": CHAT, "tools": [], "tool_choice": "required"}, "tool_choice"),
     ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_chat_rejections_name_the_openai_field(tokenizer, body, param) -> None:

@@ -1,6 +1,6 @@
 import pytest
 
-from handlers.api.request import check_length, decode_body, parse_request
+from handlers.api.request import check_length, decode_body, fit_to_context, parse_request
 from handlers.config import parse_config
 from handlers.errors import RequestError
 
@@ -24,7 +24,7 @@ def test_json_body_as_bytes_without_content_type():
     ({"prompt": ""}, "prompt"),
     ({"prompt": 3}, "prompt"),
     ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
-    ({"prompt": "x", "max_new_tokens": 65}, "max_new_tokens"),
+    ({"prompt": "x", "max_new_tokens": 2**31}, "max_new_tokens"),
     ({"prompt": "x", "max_new_tokens": "5"}, "max_new_tokens"),
     ({"prompt": "x", "max_new_tokens": True}, "max_new_tokens"),
     ({"prompt": "x", "temperature": -0.1}, "temperature"),
@@ -37,7 +37,7 @@ def test_json_body_as_bytes_without_content_type():
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_format": "sse"}, "stream_format"),
-    ({"prompt": "x", "max_tokens": 65}, "max_tokens"),  # the alias, over the limit
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # the alias, out of range
     ({"prompt": "x", "min_new_tokens": 17}, "min_new_tokens"),
 ])
 def test_bad_fields_name_the_field_and_range(body, field):
@@ -68,6 +68,23 @@ def test_length_checks_name_prompt_or_max_new_tokens():
     with pytest.raises(RequestError) as err:
         check_length(100, 29, 128)
     assert err.value.field == "max_new_tokens" and "[1, 28]" in err.value.message
+
+
+def test_a_capped_budget_also_fits_the_room_the_prompt_leaves():
+    """Asked over the limit (64): capped, then shrunk to what fits max_length 128; asked
+    within the limit and not fitting: a 400 naming it, as vLLM answers."""
+    capped = parse_request({"prompt": "x", "max_new_tokens": 1000, "min_new_tokens": 50}, CFG)
+    fitted = fit_to_context(capped, 100, 128)
+    assert (fitted.max_new_tokens, fitted.min_new_tokens) == (28, 28)
+    assert fitted.sampling.min_new_tokens == 28
+    assert fit_to_context(capped, 10, 128).max_new_tokens == 64
+    asked = parse_request({"prompt": "x", "max_new_tokens": 64}, CFG)
+    with pytest.raises(RequestError) as err:
+        fit_to_context(asked, 100, 128)
+    assert err.value.field == "max_new_tokens" and "[1, 28]" in err.value.message
+    with pytest.raises(RequestError) as err:  # no room at all: the prompt is what is wrong
+        fit_to_context(capped, 128, 128)
+    assert err.value.field == "prompt"
 
 
 def test_near_zero_temperature_is_greedy():

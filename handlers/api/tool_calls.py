@@ -1,0 +1,163 @@
+"""OpenAI tool calling: what a request's `tools` / `tool_choice` ask, and tool calls read
+back out of the generated text.
+
+A model calls tools only as its chat template teaches it to: the template renders the
+tool definitions into the prompt (Llama 3.1+ writes them as JSON into the first user
+turn), and the model answers with a JSON call. So the server (1) validates the request's
+tools, (2) renders them through the model's own template when that template has a tool
+format (probed once per template: a tool named here must show up in the rendered prompt),
+and (3) parses the answer the way vLLM's `llama3_json` parser does: the text, after an
+optional `<|python_tag|>`, is one or more JSON objects `{"name", "parameters"|"arguments"}`
+separated by `;`; anything else is plain content. There is no constrained decoding here:
+`required` or a named tool asks the model through the prompt, and a model that answers in
+prose anyway gets its prose back with finish_reason "stop".
+
+A template without a tool format answers `auto` and `none` as plain chat (the tools are
+not rendered), as a chat UI that always sends its built-in tools expects; `required` or a
+named tool is a 400 naming `tool_choice`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from handlers.api.request import brief
+from handlers.errors import RequestError
+
+#: the token Llama 3.1 writes before a tool call (vLLM's parser strips it too)
+PYTHON_TAG = "<|python_tag|>"
+#: the tool the template probe renders; no real tool is called this
+PROBE_NAME = "inf2serve_probe_tool_7f3a"
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": PROBE_NAME, "description": "probe",
+    "parameters": {"type": "object", "properties": {}}}}]
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """The request's tools (OpenAI's shape, validated) and its choice: 'auto', 'none',
+    'required' or the name of one tool."""
+
+    tools: tuple[dict[str, Any], ...]
+    choice: str
+    named: bool = False  # choice names one tool
+
+    @property
+    def forced(self) -> bool:
+        return self.choice == "required" or self.named
+
+    def rendered(self) -> list[dict[str, Any]]:
+        """The tools the prompt shows: all of them, or the named one."""
+        if self.named:
+            return [t for t in self.tools if t["function"]["name"] == self.choice]
+        return list(self.tools)
+
+
+def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
+    """The request's tools, or None when it has none (or `tool_choice: "none"` with none)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise RequestError("tool_choice", f"{brief(choice)} needs tools; the request has "
+                               "none")
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools", f"expected a list of {{\"type\": \"function\", "
+                           f"\"function\": {{...}}}} objects, got {brief(tools)}")
+    names: list[str] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise RequestError(f"{where}.type", "expected \"function\" (the only tool type)")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise RequestError(f"{where}.function", "expected an object with name, "
+                               "description and parameters")
+        name = function.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise RequestError(f"{where}.function.name", "expected a name of 1 to 64 "
+                               f"characters, got {brief(name)}")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise RequestError(f"{where}.function.parameters", "expected a JSON Schema object")
+        names.append(name)
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise RequestError("tool_choice", "expected \"none\", \"auto\", \"required\" or "
+                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if name not in names:
+            raise RequestError("tool_choice.function.name", f"{brief(name)} is not among the "
+                               "request's tools")
+        return ToolRequest(tuple(tools), name, named=True)
+    if choice not in ("none", "auto", "required"):
+        raise RequestError("tool_choice", f"{brief(choice)} is not allowed; choose \"none\", "
+                           "\"auto\", \"required\" or a named function")
+    return ToolRequest(tuple(tools), choice)
+
+
+def chat_message(message: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant turn's `tool_calls` in the shape chat templates read (Hugging Face's:
+    arguments as an object, where OpenAI sends a JSON string)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        raise RequestError(f"{where}.tool_calls", "expected a non-empty list of tool calls")
+    out = []
+    for i, call in enumerate(calls):
+        at = f"{where}.tool_calls[{i}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"{at}.function", "expected {\"name\", \"arguments\"}")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError as exc:
+                raise RequestError(f"{at}.function.arguments", "expected a JSON object "
+                                   "(as a string)") from exc
+        if not isinstance(arguments, dict):
+            raise RequestError(f"{at}.function.arguments", "expected a JSON object")
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return {"role": "assistant", "content": message.get("content") or "", "tool_calls": out}
+
+
+def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
+    """OpenAI `tool_calls` from the generated text, or None when it is not a tool call."""
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].lstrip()
+    if not body.startswith("{"):
+        return None
+    decoder = json.JSONDecoder()
+    calls, at = [], 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return None
+        arguments = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+        if not isinstance(obj.get("name"), str) or not isinstance(arguments, dict):
+            return None
+        calls.append({"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+                      "function": {"name": obj["name"],
+                                   "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return calls or None
+
+
+def may_be_tool_call(text: str) -> bool | None:
+    """Whether streamed text so far could open a tool call: True, False, or None while only
+    blanks (or a prefix of the python tag) have come."""
+    body = text.lstrip()
+    if not body or PYTHON_TAG.startswith(body):
+        return None
+    return body.startswith(("{", PYTHON_TAG))
