@@ -118,9 +118,12 @@ def _run(args: argparse.Namespace) -> int:
     params = loadgen.GenParams(args.max_new_tokens, args.min_new_tokens, args.temperature,
                                args.seed)
     results: bench_report.Results = {}
+    families: dict[str, str] = {}
     if args.append and (out / bench_report.JSON_NAME).exists():
-        results = bench_report.load_report(out / bench_report.JSON_NAME)
+        results, _, families = bench_report.read_report(out / bench_report.JSON_NAME)
     results[args.label] = []
+    # a synthetic device's milliseconds and a real model's seconds get separate figures
+    families[args.label] = "device" if args.device_step_ms is not None else "served"
 
     columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[errors]} errors"), TimeElapsedColumn())
@@ -153,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.device_step_ms is not None:
         efficiency = efficiency_by_level(results[args.label], args.device_step_ms)
         meta.update(device_step_ms=args.device_step_ms, host_efficiency=efficiency)
-    paths = bench_report.write_report(results, out, meta)
+    paths = bench_report.write_report(results, out, meta, families)
     bench_report.print_summary(results, console)
     for name, value in efficiency.items():
         console.print(f"host efficiency {name}: {value:.3f} (served tokens/s / (streams / "
@@ -166,8 +169,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="load-test a streaming endpoint: TTFT, ITL, E2E, throughput, cost",
-        description="Load-test a TorchServe streaming endpoint (NDJSON) and write bench.json, "
-        "bench.md and PNG plots to --out.\n\nmodes: sync (one at a time), concurrency "
+        description="Load-test a TorchServe streaming endpoint (NDJSON) and write to --out: "
+        "bench.json (per-scenario summaries: percentiles, throughput, counts), bench.md, "
+        "raw/records.json (every request's record) and PNG plots, one set per family (runs "
+        "with --device-step-ms are 'device', others 'served').\n\nmodes: sync (one at a "
+        "time), concurrency "
         "(closed loop, N in flight), rate (open loop, Poisson arrivals), all.\n\nexamples:\n"
         "  inf2serve bench http://127.0.0.1:8080/predictions/llama --token-file key_file.json\n"
         "  inf2serve bench URL --mode concurrency --concurrency 1,4,16 --requests 64\n"
@@ -215,5 +221,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(give --requests as a multiple of each level: a part-filled last wave "
                    "leaves the device idle and counts against it)")
     p.add_argument("--append", action="store_true",
-                   help="keep the other labels already in OUT/bench.json (compare setups)")
+                   help="keep the other labels already in OUT/bench.json (compare setups), "
+                   "with their records where OUT/raw/records.json is from that report")
     p.set_defaults(func=_run)

@@ -16,13 +16,16 @@ One run, one machine, the same torch thread count everywhere:
      with host sampling of 128,256-token logits at 32 streams (greedy and sampled), and the
      published bf16 and int8 step times replayed (presets) at 1 and 8 streams, and
      speculative decoding with and without at 1, 8 and 32 streams;
-  5. a side-by-side report (bench.json, bench.md, PNG plots) plus SUMMARY.md with the
-     issue's targets as measured ratios.
+  5. a side-by-side report (bench.json: per-scenario summaries; bench.md; PNG plots, one
+     set per family: the CPU model apart from each kind of synthetic-device cell) plus
+     SUMMARY.md with the issue's targets as measured ratios; every request's record goes
+     to raw/records.json under --out, gitignored in bench/results.
 Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 30 minutes on 2 cores);
 `--only device-bound` (`make bench-device`, a few minutes) reruns just step 4 and replaces
 its part of an existing report; `--device-cells host-sampling` (or `base`, `presets`,
 `speculation`) runs only those cells of it -- for a quick look, into another --out, since the
-report then holds only them.
+report then holds only them. `--replot` redraws bench.md and the PNGs from --out's bench.json
+alone, running nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +45,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from archive_tools.bench_report import write_report  # noqa: E402
+from archive_tools.bench_report import (  # noqa: E402
+    DEFAULT_FAMILY,
+    JSON_NAME,
+    read_report,
+    redraw,
+    write_report,
+)
 from archive_tools.bench_stats import Scenario, ScenarioResult  # noqa: E402
 from archive_tools.demo_model import build_demo_model  # noqa: E402
 from archive_tools.loadgen import (  # noqa: E402
@@ -57,6 +66,15 @@ from tests.e2e.harness import ArchiveSpec, build_store, running_server  # noqa: 
 NEW_TOKENS = 64
 REFERENCE = "bench-reference"
 PROMPT_TOKENS = 30
+CPU_FAMILY = "cpu"
+#: each family of the report (what its labels measure) gets its own figures: titles here,
+#: model and new tokens from the run's meta (family_meta)
+FAMILY_TITLES = {
+    CPU_FAMILY: "bench demo model on CPU, served by TorchServe",
+    "device": "synthetic device (fixed decode step, no model compute)",
+    "device-host-sampling": "synthetic device, host sampling of 128,256-token logits",
+    "device-presets": "synthetic device replaying published bf16 / int8 step times",
+    "device-speculation": "synthetic device, speculative decoding on and off"}
 
 
 class InProcess:
@@ -257,9 +275,35 @@ def summary_md(pairs: dict, results: dict[str, list[ScenarioResult]], threads: i
     met = {True: "yes", False: "NO", None: ""}
     lines += [f"| {a} | {b} | {c} | {met[d]} |" for a, b, c, d in rows]
     lines += ["", f"Paired rounds (tok/s): {json.dumps(pairs['runs'])}", "",
-              "Scenario tables (TTFT / ITL / E2E percentiles, throughput): bench.md; raw records: "
-              "bench.json; plots: *.png."]
+              "Scenario tables (TTFT / ITL / E2E percentiles, throughput): bench.md; "
+              "per-scenario summaries: bench.json; every request's record: raw/records.json "
+              "(gitignored, rewritten by every run); plots: *_cpu.png and *_device*.png, "
+              "redrawn from bench.json by `bench/run_bench.py --replot`."]
     return "\n".join(lines) + "\n"
+
+
+def device_family(label: str) -> str:
+    """The family of a device-bound label: the cells measure different things (host
+    efficiency over 1-64 streams, host sampling at 32, published presets at 1 and 8,
+    speculation), so each kind is plotted apart and no cell's lone point sits among lines."""
+    for prefix, family in ((device_bound.host_sampling_model(), "device-host-sampling"),
+                           ("preset-", "device-presets"), ("spec-", "device-speculation")):
+        if label.startswith(prefix):
+            return family
+    return "device"
+
+
+def family_meta(meta: dict, families: dict[str, str]) -> dict:
+    """meta["families"]: title, model and new tokens of each family present, for the
+    figures' titles and captions."""
+    dev = meta.get("device_bound") or {}
+    out = {}
+    for family in dict.fromkeys(families.values()):
+        cpu = family == CPU_FAMILY
+        out[family] = {"title": FAMILY_TITLES.get(family, family),
+                       "model": meta.get("model") if cpu else dev.get("model"),
+                       "new_tokens": meta.get("new_tokens") if cpu else dev.get("new_tokens")}
+    return out
 
 
 def run_cpu(args: argparse.Namespace, checkpoint: Path, prompts: list[str], work: Path
@@ -304,17 +348,18 @@ def run_cpu(args: argparse.Namespace, checkpoint: Path, prompts: list[str], work
 
 
 def previous_report(out: Path) -> tuple[dict[str, list[ScenarioResult]], dict, str]:
-    """An existing report's CPU part (results, meta, SUMMARY.md text), for --only device-bound."""
-    from archive_tools.bench_report import JSON_NAME, load_report
-
-    results, meta, text = {}, {}, ""
+    """An existing report's CPU part (results, meta, SUMMARY.md text), for --only device-bound;
+    its raw records come along where raw/records.json still holds them."""
+    results, meta, text, families = {}, {}, "", {}
     if (out / JSON_NAME).exists():
-        results = load_report(out / JSON_NAME)
-        meta = json.loads((out / JSON_NAME).read_text("utf-8"))["meta"]
+        results, meta, families = read_report(out / JSON_NAME)
     if (out / "SUMMARY.md").exists():
         text = (out / "SUMMARY.md").read_text("utf-8").split(device_bound.MARKER)[0]
-    results = {k: v for k, v in results.items() if not k.startswith("device-")}
-    meta = {k: v for k, v in meta.items() if k not in ("created", "device_bound")}
+    # a report from before families were recorded: its device-bound labels go by their names
+    cpu = [k for k, f in families.items() if f == CPU_FAMILY or (
+        f == DEFAULT_FAMILY and not k.startswith(("device-", "preset-", "spec-")))]
+    results = {k: results[k] for k in cpu}
+    meta = {k: v for k, v in meta.items() if k not in ("created", "device_bound", "families")}
     return results, meta, text.rstrip("\n") + "\n\n" if text.strip() else ""
 
 
@@ -338,8 +383,15 @@ def main() -> int:
                     "alternating closed-loop runs (~11 and ~23 s a run here). 8 streams gets "
                     "the runs: the two modes are near parity there (one run's ratios spread "
                     "0.80-1.23 here), where 32 streams gave 1.10-1.56")
+    ap.add_argument("--replot", action="store_true",
+                    help="redraw bench.md and the PNG plots from --out's bench.json (its "
+                    "summaries) without running anything")
     args = ap.parse_args()
     work, out = Path(args.work), Path(args.out)
+    if args.replot:
+        for path in redraw(out):
+            print(f"wrote {path}")
+        return 0
     checkpoint = work / "bench-llama"
     if not (checkpoint / "config.json").exists():
         build_demo_model(checkpoint, "bench", seed=0)
@@ -349,13 +401,16 @@ def main() -> int:
         results, meta, text = previous_report(out)
     else:
         results, meta, text = run_cpu(args, checkpoint, prompts, work)
+    families = dict.fromkeys(results, CPU_FAMILY)
     if args.only != "cpu":
         dev = device_bound.run(checkpoint, work, prompts, args.threads, args.device_rounds,
                                cells=args.device_cells)
         results.update(dev.results)
+        families.update({label: device_family(label) for label in dev.results})
         meta["device_bound"] = dev.meta()
         text += device_bound.summary_section(dev)
-    write_report(results, out, meta)
+    meta["families"] = family_meta(meta, families)
+    write_report(results, out, meta, families)
     (out / "SUMMARY.md").write_text(text)
     print(text)
     return 0

@@ -227,14 +227,16 @@ def test_cli_writes_report_files(server, bench_cli, tmp_path, capsys):
                    "--price-per-hour", "1.5", "--out", str(out), "--label", "fake"])
     assert rc == 0
     names = {p.name for p in out.iterdir()}
-    assert {"bench.json", "bench.md", "latency_vs_concurrency.png",
-            "throughput_vs_concurrency.png", "latency_vs_rate.png"} <= names
+    assert {"bench.json", "bench.md", "raw", "latency_vs_concurrency_served.png",
+            "throughput_vs_concurrency_served.png", "latency_vs_rate_served.png"} <= names
     for png in out.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads((out / "bench.json").read_text())
     runs = doc["results"]["fake"]
     assert [r["scenario_name"] for r in runs] == ["sync", "c=1", "c=2", "rate=20/s", "rate=40/s"]
-    assert all(len(r["records"]) == 3 for r in runs)
+    assert all("records" not in r and r["summary"]["requests"] == 3 for r in runs)
+    raw = json.loads((out / "raw" / "records.json").read_text())["results"]["fake"]
+    assert all(len(r["records"]) == 3 for r in raw)
     assert runs[0]["summary"]["cost_per_1m_output_tokens"] > 0
     assert "| fake | c=2 |" in (out / "bench.md").read_text()
     assert "inf2serve bench" in capsys.readouterr().out
@@ -242,13 +244,14 @@ def test_cli_writes_report_files(server, bench_cli, tmp_path, capsys):
     rc = bench_cli(["bench", f"{base}/predictions/ok", "--token", TOKEN, "--mode", "sync",
                    "--requests", "2", "--out", str(out), "--label", "other", "--append"])
     assert rc == 0 and set(bench_report.load_report(out / "bench.json")) == {"fake", "other"}
+    assert all(len(r.records) == 3 for r in bench_report.load_report(out / "bench.json")["fake"])
     # without --append a report already there is never replaced: a timestamped folder inside
     before = (out / "bench.json").read_bytes()
     capsys.readouterr()
     rc = bench_cli(["bench", f"{base}/predictions/ok", "--token", TOKEN, "--mode", "concurrency",
                    "--concurrency", "1,4", "--requests", "2", "--out", str(out)])
     assert rc == 0 and (out / "bench.json").read_bytes() == before
-    (new,) = [p for p in out.iterdir() if p.is_dir()]
+    (new,) = [p for p in out.iterdir() if p.is_dir() and p.name != "raw"]
     assert set(bench_report.load_report(new / "bench.json")) == {"default"}
     text = "".join(capsys.readouterr().out.split())  # rich wraps long paths anywhere
     assert f"thisrunwritesto{new}" in text and "--requests2isbelowconcurrency4" in text
