@@ -111,11 +111,16 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], setting: str = "
     return text
 
 
+#: the tool the template probe renders; no real tool is called this
+PROBE_NAME = "inf2serve_probe_tool_7f3a"
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": PROBE_NAME, "description": "probe",
+    "parameters": {"type": "object", "properties": {}}}}]
+
+
 def takes_tools(tokenizer: Any, setting: str = "") -> bool:
     """Whether the chat template has a tool format: a probe tool's name shows up in the
     prompt it renders (transformers before 4.42 passes no tools to templates: False)."""
-    from handlers.api.tool_calls import PROBE_NAME, PROBE_TOOLS
-
     try:
         template = template_for(tokenizer, setting)
     except RequestError:

@@ -29,11 +29,6 @@ from handlers.errors import RequestError
 
 #: the token Llama 3.1 writes before a tool call (vLLM's parser strips it too)
 PYTHON_TAG = "<|python_tag|>"
-#: the tool the template probe renders; no real tool is called this
-PROBE_NAME = "inf2serve_probe_tool_7f3a"
-PROBE_TOOLS = [{"type": "function", "function": {
-    "name": PROBE_NAME, "description": "probe",
-    "parameters": {"type": "object", "properties": {}}}}]
 
 
 @dataclass(frozen=True)
