@@ -55,8 +55,8 @@ PY310_TESTS := tests/unit/test_py310_runtime.py tests/unit/test_scheduler.py \
 	tests/unit/test_engine.py tests/unit/test_engine_client.py tests/unit/test_request.py \
 	tests/unit/test_capabilities.py tests/unit/test_engine_messages.py
 
-.PHONY: install overlays demo stop test test-main test-neuron-stack test-readme test-py310 lint \
-	bench bench-device clean
+.PHONY: install install-browser overlays demo stop test test-main test-neuron-stack test-readme \
+	test-py310 lint bench bench-device clean
 
 install: $(STAMP)
 
@@ -68,8 +68,16 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[cpu,dev,bench]"
+	$(PY) -m pip install -q -e ".[cpu,dev,bench,chat]"
 	@touch $@
+
+# Debian's chromium and its chromedriver (one build, so they always match), which the chat
+# page's browser test drives (tests/e2e/test_chat_page_e2e.py); nothing when both are there.
+install-browser:
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { \
+	  echo "installing Debian's chromium and chromedriver (the chat page test's browser)"; \
+	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -q && \
+	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q chromium chromium-driver; }
 
 overlays: $(OVERLAY_STAMPS)
 
@@ -101,7 +109,7 @@ stop:
 test: test-main test-neuron-stack test-py310 test-readme
 
 # the whole suite on the tested pins; checkpoint and archive checks also load under TF4_ALL
-test-main: install overlays
+test-main: install install-browser overlays
 	INF2SERVE_TF4_OVERLAYS=$(TF4_OVERLAYS) $(PY) -m pytest tests -q $(PYTEST_PARALLEL)
 
 test-neuron-stack: install overlays

@@ -51,6 +51,7 @@ COMMAND_MODULES = (
     "archive_tools.validate_cmd",
     "archive_tools.cache_cmd",
     "archive_tools.bench_cmd",
+    "archive_tools.chat_cmd",
 )
 
 

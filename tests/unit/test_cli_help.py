@@ -9,7 +9,8 @@ import pytest
 
 from archive_tools.cli import main
 
-COMMANDS = ("prepare", "package", "compile", "inspect", "export", "serve", "stop", "demo-model")
+COMMANDS = ("prepare", "package", "compile", "inspect", "export", "serve", "stop", "demo-model",
+            "chat")
 
 
 @pytest.mark.parametrize("command", COMMANDS)

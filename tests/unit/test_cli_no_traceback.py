@@ -135,6 +135,11 @@ CASES = [
     "bench " + UNREACHABLE + " --prompts-file {missing} --requests 1",
     "bench " + UNREACHABLE + " --tokenizer {badjson} --requests 1",
     "bench " + UNREACHABLE + " --requests 1 --out {empty}/bench",
+    "chat --run-dir {missing}",
+    "chat --run-dir {afile}",
+    "chat --run-dir {empty}",
+    "chat --url notaurl",
+    "chat --url " + UNREACHABLE + "/1.0/v1 --token-file {badkeys}",
 ]
 
 
