@@ -20,7 +20,9 @@ kubernetes: manifests for EKS (or any cluster) running stock TorchServe from a m
 image that holds model-store/ (archive_tools/k8s_export.py says what each object does).
 
 All three disable TorchServe's token auth: the platform authenticates callers (IAM,
-the cluster's ingress) and only it can reach the container's port.
+the cluster's ingress) and only it can reach the container's port. All three bound the
+frontend JVM's memory through config.properties' `vmargs` (archive_tools/jvm_options.py;
+`--frontend-heap-mb` sizes its heap), as `inf2serve serve` does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from archive_tools.fileops import copy_path, human, progress_bar, staged
 from archive_tools.inspect_cmd import scan, summarize
+from archive_tools.jvm_options import DEFAULT_HEAP_MIB, FrontendMemory
 from archive_tools.k8s_export import K8sOptions, next_steps_k8s, write_manifests
 from archive_tools.k8s_plan import plan_archive
 from handlers.config import parse_config
@@ -56,7 +59,8 @@ def _props(props: dict[str, str]) -> str:
     return "".join(f"{k}={v}\n" for k, v in props.items())
 
 
-def sagemaker_properties(name: str, archive: str, cfg: dict) -> str:
+def sagemaker_properties(name: str, archive: str, cfg: dict,
+                         frontend: FrontendMemory | None = None) -> str:
     return _props({
         "inference_address": "http://0.0.0.0:8080",
         "management_address": "http://127.0.0.1:8081",
@@ -68,10 +72,12 @@ def sagemaker_properties(name: str, archive: str, cfg: dict) -> str:
         "install_py_dep_per_model": "false",
         "default_response_timeout": str(cfg["responseTimeout"]),
         "enable_envvars_config": "false",
+        "vmargs": (frontend or FrontendMemory()).vmargs(),
     })
 
 
-def kserve_properties(name: str, archive: str, cfg: dict) -> str:
+def kserve_properties(name: str, archive: str, cfg: dict,
+                      frontend: FrontendMemory | None = None) -> str:
     snapshot = {"name": "startup.cfg", "modelCount": 1, "models": {name: {"1.0": {
         "defaultVersion": True, "marName": archive, "minWorkers": cfg["minWorkers"],
         "maxWorkers": cfg["maxWorkers"], "batchSize": cfg["batchSize"],
@@ -91,6 +97,7 @@ def kserve_properties(name: str, archive: str, cfg: dict) -> str:
         "disable_token_authorization": "true",
         "model_store": "/mnt/models/model-store",
         "model_snapshot": json.dumps(snapshot, separators=(",", ":")),
+        "vmargs": (frontend or FrontendMemory()).vmargs(),
     })
 
 
@@ -125,11 +132,17 @@ spec:
 
 
 def export(archive: Path, out: Path, target: str, *, force: bool = False, link: bool = False,
-           show_progress: bool = False, k8s: K8sOptions | None = None) -> tuple[Path, str]:
-    """Write the platform layout to `out` (atomically); returns (out, next steps)."""
+           show_progress: bool = False, k8s: K8sOptions | None = None,
+           frontend_heap_mib: int = DEFAULT_HEAP_MIB) -> tuple[Path, str]:
+    """Write the platform layout to `out` (atomically); returns (out, next steps).
+    `frontend_heap_mib` sizes the frontend JVM's fixed heap (its other bounds are fixed)."""
     archive, out = Path(archive), Path(out)
     if target not in TARGETS:
         raise Inf2ServeError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
+    try:
+        frontend = FrontendMemory(heap_mib=frontend_heap_mib)
+    except ValueError as exc:
+        raise Inf2ServeError(f"--frontend-heap-mb {frontend_heap_mib}: {exc}") from exc
     if not archive.exists():
         raise Inf2ServeError(f"ARCHIVE {archive}: no such file or directory")
     snap = scan(archive)
@@ -138,7 +151,8 @@ def export(archive: Path, out: Path, target: str, *, force: bool = False, link: 
     cfg = summary["config"]
     if target == "kubernetes":
         k8s = k8s or K8sOptions()
-        plan = plan_archive(snap, parse_config(cfg), len(summary["cache"]), k8s.instance)
+        plan = plan_archive(snap, parse_config(cfg), len(summary["cache"]), k8s.instance,
+                            frontend_heap_mib)
     if out.exists() and not force:
         raise Inf2ServeError(f"OUT {out} exists; pass --force to replace it")
     if archive.resolve() == out.resolve() or out.resolve() in archive.resolve().parents:
@@ -157,7 +171,7 @@ def export(archive: Path, out: Path, target: str, *, force: bool = False, link: 
                 copy_path(f, dst, advance, link=link)
         if target == "sagemaker":
             (built / "config.properties").write_text(
-                sagemaker_properties(name, archive.name, cfg))
+                sagemaker_properties(name, archive.name, cfg, frontend))
             serve = built / "serve"
             serve.write_text(SERVE_SCRIPT.format(spec=f"{name}={archive.name}"))
             serve.chmod(0o755)
@@ -167,7 +181,7 @@ def export(archive: Path, out: Path, target: str, *, force: bool = False, link: 
         else:
             (built / "config").mkdir()
             (built / "config" / "config.properties").write_text(
-                kserve_properties(name, archive.name, cfg))
+                kserve_properties(name, archive.name, cfg, frontend))
         for d in [built, *(p for p in built.rglob("*") if p.is_dir())]:
             d.chmod(0o755)
     if target == "kubernetes":
@@ -185,7 +199,8 @@ def _run(args: argparse.Namespace) -> int:
     k8s = K8sOptions(args.image or "", args.replicas or 1, args.instance,
                      args.namespace or "default")
     out, steps = export(Path(args.archive), Path(args.out), args.target, force=args.force,
-                        link=args.link, show_progress=True, k8s=k8s)
+                        link=args.link, show_progress=True, k8s=k8s,
+                        frontend_heap_mib=args.frontend_heap_mb)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"exported for {args.target}: {out} ({human(size)})")
     print(steps)
@@ -211,6 +226,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--link", action="store_true",
                    help="hard-link archive files instead of copying (same filesystem)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT")
+    p.add_argument("--frontend-heap-mb", type=int, default=DEFAULT_HEAP_MIB,
+                   help="the frontend JVM's heap, fixed and pre-touched (config.properties "
+                   f"vmargs; default {DEFAULT_HEAP_MIB}); kubernetes adds the frontend's "
+                   "whole budget to the container's memory")
     k = p.add_argument_group("kubernetes")
     k.add_argument("--image", help="model image the Deployment runs (default NAME:0.1.0)")
     k.add_argument("--replicas", type=int, help="replicas, and the HPA's minimum (default 1)")

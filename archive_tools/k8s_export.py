@@ -10,7 +10,10 @@ image pins (an entry's key holds the SDK versions).
 TorchServe runs as stock, from the exported config.properties: inference and metrics on
 the pod's address for in-cluster traffic (the Service is ClusterIP; the platform's gateway
 authenticates, so TorchServe's token auth is off as in the SageMaker and KServe exports),
-management and gRPC on 127.0.0.1 with the model API off. Probes run inside the container
+management and gRPC on 127.0.0.1 with the model API off. The frontend JVM's memory is
+bounded by config.properties' `vmargs` (archive_tools/jvm_options.py), and the container's
+memory request and limit carry that budget next to the workers' (archive_tools/k8s_plan.py),
+so growth the JVM is allowed cannot get the pod OOM-killed. Probes run inside the container
 (probe.py, stdlib only): liveness asks /ping, readiness asks the loopback management API
 for a READY worker (TorchServe 0.12's /ping stays 200 while workers load).
 """
@@ -26,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from archive_tools.jvm_options import FrontendMemory
 from archive_tools.k8s_plan import PodPlan
 
 VERSION = "0.1.0"  # pyproject's version (a test checks): the base image tag carries it
@@ -57,7 +61,10 @@ def base_image(plan: PodPlan, backend: str) -> str:
     return f"inf2serve-base:{VERSION}-{profile}"
 
 
-def config_properties(name: str, archive: str, cfg: dict) -> str:
+def config_properties(name: str, archive: str, cfg: dict,
+                      frontend: FrontendMemory | None = None) -> str:
+    """The pod's TorchServe config; `vmargs` bounds the frontend JVM (`frontend`, default
+    FrontendMemory()) as the container's memory assumes."""
     props = {
         "inference_address": f"http://0.0.0.0:{INFERENCE_PORT}",
         "management_address": f"http://127.0.0.1:{MANAGEMENT_PORT}",
@@ -74,6 +81,7 @@ def config_properties(name: str, archive: str, cfg: dict) -> str:
         "metrics_mode": "prometheus",
         "model_metrics_auto_detect": "true",  # the handler's WaitingRequests / BusySlots
         "enable_envvars_config": "false",
+        "vmargs": (frontend or FrontendMemory()).vmargs(),
     }
     return "".join(f"{k}={v}\n" for k, v in props.items())
 
@@ -149,7 +157,11 @@ def deployment(name: str, ns: str, archive: str, image: str, replicas: int, plan
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(name, ns, annotations={
             "inf2serve/memory-estimate": f"{plan.memory_gib:.1f} GiB ({plan.memory_source}; "
-                                         "inf2serve validate)"}),
+                                         "inf2serve validate)",
+            "inf2serve/memory-request": f"{plan.memory_mi} MiB: workers "
+                                        f"{math.ceil(plan.workers_gib * 1024)} + frontend "
+                                        f"{plan.frontend_mi} (JVM budget "
+                                        f"{plan.frontend.budget_mib}, launcher and probes)"}),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": labels},
@@ -240,7 +252,7 @@ def model_dockerfile(base: str) -> str:
 def write_manifests(out: Path, name: str, archive: str, cfg: dict, plan: PodPlan, *,
                     image: str, replicas: int, namespace: str) -> list[str]:
     """Write every object and kustomization.yaml into `out`; returns the resource files."""
-    props = config_properties(name, archive, cfg)
+    props = config_properties(name, archive, cfg, plan.frontend)
     objects = {
         "configmap.yaml": configmap(name, namespace, props),
         "deployment.yaml": deployment(name, namespace, archive, image, replicas, plan, props),
@@ -266,7 +278,9 @@ def write_manifests(out: Path, name: str, archive: str, cfg: dict, plan: PodPlan
         "image": image, "base_image": base_image(plan, cfg["handler"]["backend"]),
         "accelerator": plan.accelerator, "device_resource": plan.device_resource,
         "devices": plan.devices, "memory_gib": round(plan.memory_gib, 2),
-        "memory_source": plan.memory_source, "instances": list(plan.instances),
+        "memory_source": plan.memory_source, "memory_request_mib": plan.memory_mi,
+        "memory_limit_mib": plan.memory_limit_mi, "frontend_memory_mib": plan.frontend_mi,
+        "frontend_vmargs": plan.frontend.vmargs(), "instances": list(plan.instances),
         "startup_s": plan.startup_s, "cache_warm": plan.cache_warm}, indent=1))
     return list(objects)
 
@@ -277,7 +291,9 @@ def next_steps_k8s(out: Path, name: str, cfg: dict, plan: PodPlan, opts: K8sOpti
     devices = f"{plan.devices} x {plan.device_resource}" if plan.device_resource else "no devices"
     where = ", ".join(plan.instances) or "any node"
     warned = "".join(f"\n  # warning: {w}" for w in plan.warnings)
-    memory = f"{plan.memory_gib:.1f} GiB ({plan.memory_source}, `inf2serve validate`'s estimate)"
+    memory = (f"{plan.memory_mi / 1024:.1f} GiB (workers {plan.workers_gib:.1f} GiB: "
+              f"{plan.memory_source}, `inf2serve validate`'s estimate; frontend "
+              f"{plan.frontend_mi} MiB, heap {plan.frontend.heap_mib} MiB)")
     return f"""pod: {devices}, {plan.cpu} CPU, memory {memory}, /dev/shm {plan.shm_gib} GiB, \
 nodes: {where}{warned}
 next:

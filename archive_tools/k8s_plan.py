@@ -2,7 +2,11 @@
 
 Pure sizing for `inf2serve export --target kubernetes`, from the same arithmetic as
 `inf2serve validate` (archive_tools.neuron_sizing, archive_tools.nxdi_sizing), so a
-pod requests what `validate` estimates and nothing the two disagree on.
+pod requests what `validate` estimates and nothing the two disagree on, with one
+difference: validate keeps a round HOST_RESERVED_GIB of a host for the OS and the frontend,
+while a pod gets the frontend's bounded budget instead (archive_tools/jvm_options.py: the
+JVM's heap, metaspace, code cache and direct buffers are capped by its `vmargs`, so what it
+can grow to is known) plus the `torchserve` launcher and the probes. The OS is the node's.
 
 Device resources are the Neuron device plugin's: `aws.amazon.com/neuroncore` (one
 NeuronCore) or `aws.amazon.com/neuron` (a whole device, all its cores)
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 
 from archive_tools import nxdi_sizing
 from archive_tools.inspect_cmd import Snapshot
+from archive_tools.jvm_options import DEFAULT_HEAP_MIB, FrontendMemory
 from archive_tools.neuron_sizing import (
     GIB,
     HOST_RESERVED_GIB,
@@ -55,6 +60,9 @@ LIMIT_FACTOR = 1.25
 #: neuron-runtime/api/neuron_ds.rst:6) and AWS's pod examples mount an unsized Memory emptyDir
 #: (deploy/eks/dra.rst:58-64). A bound, counted against the memory limit only as used:
 SHM_GIB_PER_WORKER = 1
+#: the `torchserve --foreground` Python launcher (~30 MiB) and the exec probes (~10 MiB each,
+#: three may overlap), next to the frontend in the container
+LAUNCHER_MIB = 64
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,7 @@ class PodPlan:
     accelerator: str  # "neuron" | "gpu" | "cpu"
     device_resource: str | None  # extended resource the device plugin advertises
     devices: int  # of device_resource per pod (0 for cpu)
-    memory_gib: float  # request: validate's host-memory estimate
+    memory_gib: float  # validate's host-memory estimate (workers + the host's reserve)
     memory_source: str  # which estimate, for the manifest comment and the README
     cpu: int
     shm_gib: int
@@ -70,14 +78,28 @@ class PodPlan:
     startup_s: int  # startup-probe budget
     cache_warm: bool
     warnings: tuple[str, ...] = field(default=())
+    #: the frontend JVM's bounds (its config.properties `vmargs`) and so its budget
+    frontend: FrontendMemory = field(default_factory=FrontendMemory)
+
+    @property
+    def workers_gib(self) -> float:
+        """validate's estimate less the host reserve it keeps for the OS and the frontend."""
+        return max(0.0, self.memory_gib - HOST_RESERVED_GIB)
+
+    @property
+    def frontend_mi(self) -> int:
+        """The frontend's bounded budget and the launcher and probes beside it: a bound,
+        not an estimate, so the same in the request and the limit."""
+        return self.frontend.budget_mib + LAUNCHER_MIB
 
     @property
     def memory_mi(self) -> int:
-        return math.ceil(self.memory_gib * 1024)
+        return math.ceil(self.workers_gib * 1024) + self.frontend_mi
 
     @property
     def memory_limit_mi(self) -> int:
-        return math.ceil(self.memory_gib * LIMIT_FACTOR * 1024) + self.shm_gib * 1024
+        return (math.ceil(self.workers_gib * LIMIT_FACTOR * 1024) + self.frontend_mi
+                + self.shm_gib * 1024)
 
 
 def accelerator(cfg: ModelConfig) -> str:
@@ -118,19 +140,22 @@ def fitting_instances(devices: int, memory_gib: float) -> tuple[str, ...]:
 
 def plan_pod(cfg: ModelConfig, *, arch: Arch | None = None, weights: Weights | None = None,
              checkpoint_bytes: int = 0, instance: str | None = None,
-             cache_warm: bool = False) -> PodPlan:
-    """Size one pod; ConfigError when `validate` finds a problem or nothing can host it."""
+             cache_warm: bool = False, frontend_heap_mib: int = DEFAULT_HEAP_MIB) -> PodPlan:
+    """Size one pod; ConfigError when `validate` finds a problem or nothing can host it.
+    The frontend JVM sizes its threads for the pod's CPUs, not the node's (no CPU limit, so
+    it would see them all), which keeps its budget the same on any node."""
     kind, h, fe = accelerator(cfg), cfg.handler, cfg.frontend
     workers = fe.max_workers
     startup = fe.startup_timeout + FRONTEND_START_S
     shm = SHM_GIB_PER_WORKER * workers
     if kind != "neuron":  # torch (or synthetic): the GPU plugin's resource, or none
         gpu = kind == "gpu"
+        cpu = 1 + workers * (1 if gpu else h.threads or 1)
         return PodPlan(
             kind, NVIDIA_GPU if gpu else None, workers if gpu else 0,
             torch_host_gib(cfg, checkpoint_bytes), "weights as stored",
-            cpu=1 + workers * (1 if gpu else h.threads or 1), shm_gib=shm,
-            instances=(instance,) if instance else (), startup_s=startup, cache_warm=cache_warm)
+            cpu=cpu, shm_gib=shm, instances=(instance,) if instance else (), startup_s=startup,
+            cache_warm=cache_warm, frontend=_frontend(frontend_heap_mib, cpu))
     n = h.neuron
     if arch is None:
         raise ConfigError("handler.neuron.architecture: unset and the archive has no config.json; "
@@ -159,11 +184,20 @@ def plan_pod(cfg: ModelConfig, *, arch: Arch | None = None, weights: Weights | N
                         "on an Inf2 host before exporting")
     return PodPlan("neuron", NEURONCORE, devices, memory, source, cpu=1 + workers, shm_gib=shm,
                    instances=(instance,) if instance else fits, startup_s=startup,
-                   cache_warm=cache_warm, warnings=tuple(warnings))
+                   cache_warm=cache_warm, warnings=tuple(warnings),
+                   frontend=_frontend(frontend_heap_mib, 1 + workers))
+
+
+def _frontend(heap_mib: int, cpus: int) -> FrontendMemory:
+    """The frontend's bounds for a pod of `cpus` CPUs; ConfigError for a heap too small."""
+    try:
+        return FrontendMemory(heap_mib=heap_mib, cpus=cpus)
+    except ValueError as exc:
+        raise ConfigError(f"--frontend-heap-mb {heap_mib}: {exc}") from exc
 
 
 def plan_archive(snap: Snapshot, cfg: ModelConfig, cache_entries: int,
-                 instance: str | None) -> PodPlan:
+                 instance: str | None, frontend_heap_mib: int = DEFAULT_HEAP_MIB) -> PodPlan:
     """plan_pod for a scanned archive: its checkpoint's config.json and weight files."""
     ckpt = cfg.handler.checkpoint.rstrip("/")
     arch = None
@@ -181,4 +215,5 @@ def plan_archive(snap: Snapshot, cfg: ModelConfig, cache_entries: int,
             weights = Weights(key, max(sizes, default=0))
             break
     return plan_pod(cfg, arch=arch, weights=weights, checkpoint_bytes=sum(names.values()),
-                    instance=instance, cache_warm=cache_entries > 0)
+                    instance=instance, cache_warm=cache_entries > 0,
+                    frontend_heap_mib=frontend_heap_mib)

@@ -8,6 +8,9 @@ writes it to its working directory), logs and pid file (TorchServe keeps the pid
 $TMPDIR, so each run directory gets its own). While workers load (or compile, on Inf2)
 `serve` says so every PROGRESS_EVERY_S per model, with the log to watch; at the end it
 names every model it serves with its URLs.
+The frontend JVM gets bounded memory (archive_tools/jvm_options.py: fixed, pre-touched heap,
+bounded metaspace, code cache and direct buffers) through config.properties' `vmargs`;
+`--frontend-heap-mb` sizes its heap.
 The same functions start the server for `make demo` and for the end-to-end tests.
 """
 
@@ -30,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from archive_tools import ts_logs
+from archive_tools.jvm_options import DEFAULT_HEAP_MIB, FrontendMemory, merge_vmargs
 from archive_tools.ports import free_port
 from archive_tools.ts_logs import FRONTEND_OUT, died_at_load, load_failure, log_sizes, settle
 from handlers.errors import Inf2ServeError
@@ -69,8 +73,16 @@ class PortTaken(Inf2ServeError):
 
 
 def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, ...],
-                            workers: int = 1, extra: dict[str, str] | None = None) -> Path:
+                            workers: int = 1, extra: dict[str, str] | None = None,
+                            frontend: FrontendMemory | None = None,
+                            native_memory_tracking: bool = False) -> Path:
+    """config.properties of one server. `vmargs` bounds the frontend JVM's memory
+    (`frontend`, default FrontendMemory()); a `vmargs` in `extra` goes after ours rather
+    than replacing them, so a caller's flag wins (HotSpot takes the last) and the bounds it
+    does not name stay."""
     inf, mgmt, metrics, grpc_inf, grpc_mgmt = ports
+    extra = dict(extra or {})
+    ours = (frontend or FrontendMemory()).vmargs(native_memory_tracking=native_memory_tracking)
     props = {
         # every port of its own, so several servers (demo, tests) can run side by side
         "grpc_inference_port": str(grpc_inf),
@@ -88,8 +100,9 @@ def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, 
         "metrics_mode": "prometheus",
         "model_metrics_auto_detect": "true",  # export the handler's TTFT / tokens / queue time
         "enable_envvars_config": "false",
+        "vmargs": merge_vmargs(ours, extra.pop("vmargs", None)),
     }
-    props.update(extra or {})
+    props.update(extra)
     path = run_dir / "config.properties"
     path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
     return path
@@ -264,9 +277,12 @@ def _check_archive(model_store: Path, spec: str) -> None:
 def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR, *,
           workers: int = 1, env: dict[str, str] | None = None, python: str | None = None,
           ready_timeout_s: float = 900, extra_props: dict[str, str] | None = None,
-          progress: Progress | None = None) -> Server:
+          progress: Progress | None = None, frontend: FrontendMemory | None = None,
+          native_memory_tracking: bool = False) -> Server:
     """Start TorchServe in the background and wait until `models` are READY (all the store's
-    archives when `models` is empty); `progress` gets a line per loading model now and then."""
+    archives when `models` is empty); `progress` gets a line per loading model now and then.
+    `frontend` bounds the JVM's memory (default FrontendMemory()); `native_memory_tracking`
+    lets `jcmd PID VM.native_memory summary` read it (bench/soak.py)."""
     model_store = Path(model_store)
     if not model_store.is_dir():
         raise Inf2ServeError(f"--model-store {model_store}: no such directory")
@@ -290,7 +306,7 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
                              f"stop it with `inf2serve stop --run-dir {run_dir}`")
     run_dir.mkdir(parents=True, exist_ok=True)
     launch = (run_dir, model_store, specs, models, workers, env, python, ready_timeout_s,
-              extra_props, progress)
+              extra_props, progress, frontend, native_memory_tracking)
     for _ in range(START_ATTEMPTS - 1):
         try:
             return _launch(*launch)
@@ -301,13 +317,16 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
 
 def _launch(run_dir: Path, model_store: Path, specs: list[str], models: list[str], workers: int,
             env: dict[str, str] | None, python: str | None, ready_timeout_s: float,
-            extra_props: dict[str, str] | None, progress: Progress | None = None) -> Server:
+            extra_props: dict[str, str] | None, progress: Progress | None = None,
+            frontend: FrontendMemory | None = None, native_memory_tracking: bool = False
+            ) -> Server:
     """One `torchserve --start` on freshly picked ports, waited on until READY; stopped
     again on any failure."""
     (run_dir / "key_file.json").unlink(missing_ok=True)
     sizes = log_sizes(run_dir)
     ports = tuple(free_port() for _ in range(5))
-    cfg = write_config_properties(run_dir, model_store, ports, workers, extra_props)
+    cfg = write_config_properties(run_dir, model_store, ports, workers, extra_props, frontend,
+                                  native_memory_tracking)
     binary = _torchserve_bin(python)
     if shutil.which(binary) is None:
         raise Inf2ServeError(f"{binary}: not found; install TorchServe (`pip install -e "
@@ -466,9 +485,18 @@ def _serve(args: argparse.Namespace) -> int:
     server = start(Path(args.model_store), args.models or [], Path(args.run_dir),
                    workers=args.workers, ready_timeout_s=args.timeout,
                    extra_props={"install_py_dep_per_model": "true"}
-                   if args.install_py_dep_per_model else None, progress=_say)
+                   if args.install_py_dep_per_model else None, progress=_say,
+                   frontend=_frontend(args.frontend_heap_mb))
     print(describe(server, server.models, args.run_dir))
     return 0
+
+
+def _frontend(heap_mb: int) -> FrontendMemory:
+    """--frontend-heap-mb as bounds, refused in one line when too small."""
+    try:
+        return FrontendMemory(heap_mib=heap_mb)
+    except ValueError as exc:
+        raise Inf2ServeError(f"--frontend-heap-mb {heap_mb}: {exc}") from exc
 
 
 def _token(args: argparse.Namespace) -> int:
@@ -497,6 +525,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--install-py-dep-per-model", action="store_true",
                    help="let TorchServe pip-install each archive's requirements.txt into its "
                    "model folder at load (install_py_dep_per_model=true; needs network)")
+    p.add_argument("--frontend-heap-mb", type=int, default=DEFAULT_HEAP_MIB,
+                   help="the frontend JVM's heap, fixed (-Xms = -Xmx) and pre-touched "
+                   f"(default {DEFAULT_HEAP_MIB}); metaspace, code cache and direct buffers "
+                   "get fixed bounds too (docs/packaging-and-deploying.md)")
     p.set_defaults(func=_serve)
     t = sub.add_parser(
         "token", help="get a fresh token from a running `inf2serve serve` (tokens expire)",

@@ -10,20 +10,31 @@ request after warm-up (the first third of the requests) is the least-squares slo
 RSS over answered requests. Where the JDK's jcmd exists, every `--count-every` samples
 and at the end a full GC runs in the frontend and the live request objects and the heap in
 use after it are recorded: the slope of the latter is the frontend's growth with the JVM's
-heap sizing taken out (RSS also grows while the JVM expands its heap towards its default
-maximum, a quarter of RAM). `--heap-mb` fixes the heap (-Xms = -Xmx, pre-touched) so RSS
-shows only what lives outside it. After a failed answer the server's logs are kept (their
+heap sizing taken out.
+
+The frontend runs with the JVM options `inf2serve serve` and the exports deploy
+(archive_tools/jvm_options.py: fixed pre-touched heap, bounded metaspace, code cache and
+direct buffers; `--heap-mb` sizes the heap) plus native memory tracking, whose summary
+(`jcmd PID VM.native_memory summary`: committed memory per category, Java Heap, Class,
+Code, Thread, GC, Internal, Other = NIO direct buffers, ...) is taken at the start, after
+warm-up and at the end. Every process is sampled: the frontend, each TorchServe worker and
+each engine process under it, each with its own growth per request and a verdict (growing
+linearly or not: `linear_growth`). After a failed answer the server's logs are kept (their
 path is printed).
 
-  python bench/soak.py --duration 600 --out bench/results/soak-after.json
-  python bench/soak.py --duration 180 --heap-mb 256 --count-every 3 --out /tmp/soak.json
+  python bench/soak.py --requests 100000 --duration 3600 --out bench/results/soak-100k-deployed.json
+  python bench/soak.py --requests 3000 --duration 300 --count-every 3 --out /tmp/soak.json
   python bench/soak.py --repo /path/to/older/checkout --out bench/results/soak-before.json
   python bench/soak.py report bench/results/soak-before.json bench/results/soak-after.json
+  python bench/soak.py detail bench/results/soak-100k-deployed.json   # processes, NMT
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import inspect
 import itertools
 import json
 import re
@@ -34,17 +45,38 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import httpx
+
+
+def _jvm_options() -> ModuleType:
+    """This checkout's archive_tools/jvm_options.py, loaded by path: the deployed options
+    even when `--repo` serves an older checkout (whose `archive_tools` is then imported)."""
+    path = Path(__file__).resolve().parents[1] / "archive_tools" / "jvm_options.py"
+    spec = importlib.util.spec_from_file_location("_soak_jvm_options", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+JVM = _jvm_options()
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
 TOKENS = 8
 HANDLER = {"batching": "continuous", "batch_size": 8, "threads": 1}
 CHAT = [{"role": "user", "content": "Tell me a story."}]
+#: a process "grows linearly" when, after warm-up, it grows at least this fast...
+LINEAR_KB_PER_REQUEST = 0.05
+#: ...and has not levelled off: its last half grows at least this share of that rate...
+LINEAR_LAST_HALF_SHARE = 0.5
+#: ...by at least this much (smaller steps are allocator noise)
+LINEAR_MIN_KB = 2048
 
 
 @dataclass(frozen=True)
@@ -129,7 +161,10 @@ def kinds() -> list[Kind]:
 
 
 class Memory:
-    """RSS of the frontend (java) and its worker processes, sampled on a thread."""
+    """RSS of the frontend (java) and of every process under it, sampled on a thread.
+
+    Processes are named by role and pid: `frontend`, `worker-PID` (TorchServe's Python
+    workers, the frontend's children) and `engine-PID` (what a worker starts)."""
 
     def __init__(self, frontend_pid: int, done: Callable[[], int], every_s: float,
                  count_every: int = 12) -> None:
@@ -142,11 +177,26 @@ class Memory:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.started = time.monotonic()
 
+    def processes(self) -> dict[str, int]:
+        """RSS in KB of each process of the server, by name."""
+        import psutil
+
+        rss = {"frontend": self.frontend.memory_info().rss // 1024}
+        for child in self.frontend.children():
+            try:
+                rss[f"worker-{child.pid}"] = child.memory_info().rss // 1024
+                for grandchild in child.children(recursive=True):
+                    rss[f"engine-{grandchild.pid}"] = grandchild.memory_info().rss // 1024
+            except psutil.Error:  # gone between listing and reading
+                continue
+        return rss
+
     def sample(self) -> None:
-        workers = [p for p in self.frontend.children(recursive=True) if "python" in p.name()]
+        rss = self.processes()
         sample = {"t_s": round(time.monotonic() - self.started, 1), "requests": self.done(),
-                  "frontend_rss_kb": self.frontend.memory_info().rss // 1024,
-                  "worker_rss_kb": sum(p.memory_info().rss for p in workers) // 1024}
+                  "frontend_rss_kb": rss["frontend"],
+                  "worker_rss_kb": sum(v for k, v in rss.items() if k != "frontend"),
+                  "rss_kb": rss}
         if len(self.samples) % self.count_every == 0:  # a full GC in the frontend: not often
             sample["live_request_objects"] = live_request_objects(self.frontend.pid)
             sample["frontend_heap_after_gc_kb"] = heap_used_kb(self.frontend.pid)
@@ -161,7 +211,7 @@ class Memory:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
         self.sample()
@@ -176,6 +226,84 @@ def slope_kb_per_request(samples: list[dict], key: str, warmup: int) -> float | 
     my = sum(y for _, y in pts) / len(pts)
     var = sum((x - mx) ** 2 for x, _ in pts)
     return sum((x - mx) * (y - my) for x, y in pts) / var
+
+
+def process_slopes(samples: list[dict], warmup: int) -> dict[str, dict]:
+    """Per process: growth per request after warm-up (KB), over the last half of that
+    window too, RSS at warm-up and at the end, and whether it grows linearly."""
+    out = {}
+    names = {name for s in samples for name in s.get("rss_kb", {})}
+    for name in sorted(names, key=lambda n: (n != "frontend", n)):
+        pts = [{"requests": s["requests"], "kb": s["rss_kb"][name]} for s in samples
+               if s["requests"] >= warmup and name in s.get("rss_kb", {})]
+        slope = slope_kb_per_request(pts, "kb", warmup)
+        if slope is None:
+            continue
+        half = pts[0]["requests"] + (pts[-1]["requests"] - pts[0]["requests"]) / 2
+        last = [p for p in pts if p["requests"] >= half]
+        last_slope = slope_kb_per_request(last, "kb", 0) if len(last) >= 3 else None
+        last_growth = last[-1]["kb"] - last[0]["kb"] if last else 0
+        out[name] = {"kb_per_request": _round(slope), "last_half_kb_per_request":
+                     _round(last_slope), "rss_kb_after_warmup": pts[0]["kb"],
+                     "rss_kb_at_end": pts[-1]["kb"],
+                     "linear_growth": linear_growth(slope, last_slope, last_growth)}
+    return out
+
+
+def linear_growth(slope: float, last_half_slope: float | None, last_half_kb: int) -> bool:
+    """Growth that goes on with the requests, not a step that levelled off: fast enough, still
+    as fast in the last half, and by more than allocator noise."""
+    return (slope >= LINEAR_KB_PER_REQUEST and last_half_slope is not None
+            and last_half_slope >= LINEAR_LAST_HALF_SHARE * slope
+            and last_half_kb >= LINEAR_MIN_KB)
+
+
+NMT_CATEGORY = re.compile(r"^-\s+(.+?) \(reserved=(\d+)KB, committed=(\d+)KB\)", re.M)
+NMT_TOTAL = re.compile(r"^Total: reserved=(\d+)KB, committed=(\d+)KB", re.M)
+
+
+def parse_nmt(text: str) -> dict[str, dict[str, int]] | None:
+    """`VM.native_memory summary` as {category: {"reserved": KB, "committed": KB}}, with
+    "Total"; None when tracking is off (jcmd says so) or the output is not a summary."""
+    total = NMT_TOTAL.search(text)
+    if total is None:
+        return None
+    out = {"Total": {"reserved": int(total.group(1)), "committed": int(total.group(2))}}
+    for name, reserved, committed in NMT_CATEGORY.findall(text):
+        out[name.strip()] = {"reserved": int(reserved), "committed": int(committed)}
+    return out
+
+
+def native_memory(pid: int) -> dict | None:
+    """The frontend's native memory tracking summary, and its RSS at the same moment (what
+    RSS holds beyond NMT's committed total is malloc's and the kernel's slack)."""
+    if shutil.which("jcmd") is None:
+        return None
+    import psutil
+
+    out = subprocess.run(["jcmd", str(pid), "VM.native_memory", "summary"],
+                         capture_output=True, text=True, timeout=60).stdout
+    categories = parse_nmt(out)
+    if categories is None:
+        return None
+    return {"rss_kb": psutil.Process(pid).memory_info().rss // 1024, "categories": categories}
+
+
+def nmt_deltas(before: dict | None, after: dict | None) -> dict[str, int] | None:
+    """Committed KB per category, after minus before (categories in either)."""
+    if not before or not after:
+        return None
+    a, b = after["categories"], before["categories"]
+    names = sorted(set(a) | set(b), key=lambda n: (n != "Total", n))
+    return {n: a.get(n, {}).get("committed", 0) - b.get(n, {}).get("committed", 0)
+            for n in names}
+
+
+def java_cmdline(pid: int) -> list[str]:
+    """The frontend's command line: the soak checks its JVM options reached java."""
+    import psutil
+
+    return psutil.Process(pid).cmdline()
 
 
 def live_request_objects(pid: int) -> int | None:
@@ -204,6 +332,7 @@ def heap_used_kb(pid: int) -> int | None:
 
 def soak(server, max_requests: int, duration_s: float, concurrency: int,
          sample_every_s: float, count_every: int = 12) -> dict:
+    """Send the mix, check every answer, sample memory; the result as a dict."""
     order = itertools.cycle(kinds())
     lock = threading.Lock()
     counts: Counter[str] = Counter()
@@ -234,17 +363,29 @@ def soak(server, max_requests: int, duration_s: float, concurrency: int,
                         if len(failures) < 20:
                             failures.append({"kind": kind.name, "problem": problem})
 
+    def answered_now() -> int:
+        return sum(v for k, v in counts.items() if k != "failed")
+
+    # warm-up: the first third of what will be sent (the JIT, Netty's arenas and the heap's
+    # regions fill during it whether or not anything leaks)
+    planned_warmup, warm_s = max_requests // 3, duration_s / 3  # whichever comes first
+    nmt = {"start": native_memory(server.pid)}
     started = time.monotonic()
-    with Memory(server.pid, lambda: sum(v for k, v in counts.items() if k != "failed"),
-                sample_every_s, count_every) as memory:
+    with Memory(server.pid, answered_now, sample_every_s, count_every) as memory:
         threads = [threading.Thread(target=client) for _ in range(concurrency)]
         for t in threads:
             t.start()
+        while any(t.is_alive() for t in threads):
+            if "warm" not in nmt and (answered_now() >= planned_warmup
+                                      or time.monotonic() - started >= warm_s):
+                nmt["warm"] = {"requests": answered_now(), **(native_memory(server.pid) or {})}
+            time.sleep(1)
         for t in threads:
             t.join()
     elapsed = time.monotonic() - started
-    answered = sum(v for k, v in counts.items() if k != "failed")
-    warmup = answered // 3  # the JVM grows its heap for a while whether or not it leaks
+    nmt["end"] = native_memory(server.pid)
+    answered = answered_now()
+    warmup = answered // 3
     gc_points = [s for s in memory.samples if s.get("frontend_heap_after_gc_kb") is not None]
     return {
         "requests": answered, "failed": counts["failed"], "seconds": round(elapsed, 1),
@@ -259,6 +400,10 @@ def soak(server, max_requests: int, duration_s: float, concurrency: int,
             gc_points, "frontend_heap_after_gc_kb", warmup)),
         "live_request_objects_at_end": live_request_objects(server.pid),
         "frontend_heap_after_gc_kb_at_end": heap_used_kb(server.pid),
+        "processes": process_slopes(memory.samples, warmup),
+        "nmt": nmt,
+        "nmt_committed_delta_kb": {"warmup": nmt_deltas(nmt["start"], nmt.get("warm")),
+                                   "after_warmup": nmt_deltas(nmt.get("warm"), nmt["end"])},
         "samples": memory.samples,
     }
 
@@ -267,27 +412,56 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
 
 
+@contextlib.contextmanager
+def deployed_server(store: Path, run_dir: Path, heap_mb: int, nmt: bool = True
+                    ) -> Iterator[tuple[object, dict]]:
+    """TorchServe started by the checkout's own `serve.start`, with the frontend's deployed
+    JVM options (FrontendMemory) and native memory tracking (`nmt`). Yields the server and
+    what its JVM was given. An older checkout whose `start` has no `frontend` gets the same
+    options through config.properties' vmargs."""
+    from archive_tools import serve
+
+    frontend = JVM.FrontendMemory(heap_mib=heap_mb)
+    if "frontend" in inspect.signature(serve.start).parameters:
+        kwargs: dict = {"frontend": frontend, "native_memory_tracking": nmt}
+    else:
+        kwargs = {"extra_props": {"vmargs": frontend.vmargs(native_memory_tracking=nmt)}}
+    try:
+        server = serve.start(store, [MODEL], run_dir, ready_timeout_s=300, **kwargs)
+    except BaseException:
+        serve.stop(run_dir)
+        raise
+    try:
+        jvm = {"vmargs": frontend.vmargs(native_memory_tracking=nmt),
+               "frontend_budget_mib": frontend.budget_mib,
+               "java_cmdline": [a for a in java_cmdline(server.pid) if a.startswith("-X")]}
+        yield server, jvm
+    finally:
+        serve.stop(run_dir)
+
+
 def run(args: argparse.Namespace) -> int:
     repo = Path(args.repo).resolve()
     sys.path.insert(0, str(repo))  # package and serve the runtime of that checkout
     from archive_tools.demo_model import build_demo_model
-    from tests.e2e.harness import ArchiveSpec, build_store, running_server
+    from tests.e2e.harness import ArchiveSpec, build_store
 
     work = Path(tempfile.mkdtemp(prefix="inf2serve-soak-"))
     result: dict = {"failed": 1}
     try:
         checkpoint = build_demo_model(work / "ckpt", "tiny", seed=0)
         store = build_store(work, checkpoint, [ArchiveSpec(MODEL, handler=HANDLER)])
-        # fixed and pre-touched: RSS then grows only with what lives outside the heap
-        heap = {"vmargs": f"-Xms{args.heap_mb}m -Xmx{args.heap_mb}m -XX:+AlwaysPreTouch"}
-        with running_server(store, work / "run", [MODEL],
-                            **({"extra_props": heap} if args.heap_mb else {})) as server:
+        with deployed_server(store, work / "run", args.heap_mb,
+                             args.native_memory_tracking) as (server, jvm):
             result = soak(server, args.requests, args.duration, args.concurrency,
                           args.sample_every, args.count_every)
         commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True).stdout.strip()
-        result = {"repo_commit": commit or None, "label": args.label,
-                  "heap_mb": args.heap_mb or None, **result}
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True).stdout
+        result = {"repo_commit": commit or None, "repo_modified": bool(dirty.strip()),
+                  "label": args.label, "heap_mb": args.heap_mb, **jvm,
+                  "verdict": verdict(result), **result}
     finally:
         if result["failed"]:
             print(f"server logs kept in {work / 'run' / 'logs'}", file=sys.stderr)
@@ -296,8 +470,24 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("samples", "nmt")},
+                     indent=1))
     return 1 if result["failed"] else 0
+
+
+#: the acceptance of a soak: frontend RSS growth per request after warm-up, at most (KB)
+FRONTEND_KB_PER_REQUEST_MAX = 0.5
+
+
+def verdict(result: dict) -> dict:
+    """Whether the soak passes: nothing failed, the frontend's RSS grew at most
+    FRONTEND_KB_PER_REQUEST_MAX per request after warm-up, no process grew linearly."""
+    growing = sorted(n for n, p in result.get("processes", {}).items() if p["linear_growth"])
+    frontend = result.get("frontend_kb_per_request")
+    ok = (result["failed"] == 0 and frontend is not None
+          and frontend <= FRONTEND_KB_PER_REQUEST_MAX and not growing)
+    return {"passed": ok, "failed_requests": result["failed"],
+            "frontend_kb_per_request": frontend, "linearly_growing": growing}
 
 
 def report(paths: list[str]) -> int:
@@ -314,10 +504,42 @@ def report(paths: list[str]) -> int:
     return 0
 
 
+def detail(path: str) -> int:
+    """Markdown tables of one soak: each process's growth, the frontend's NMT categories."""
+    r = json.loads(Path(path).read_text())
+    print("| process | RSS after warm-up (MB) | RSS at end (MB) | KB/request after warm-up | "
+          "last half KB/request | linear growth |\n|---|---|---|---|---|---|")
+    for name, p in r.get("processes", {}).items():
+        print(f"| {name} | {p['rss_kb_after_warmup'] / 1024:.1f} | "
+              f"{p['rss_kb_at_end'] / 1024:.1f} | {p['kb_per_request']} | "
+              f"{p['last_half_kb_per_request']} | {'yes' if p['linear_growth'] else 'no'} |")
+    nmt = r.get("nmt") or {}
+    snaps = [(k, nmt[k]) for k in ("start", "warm", "end") if nmt.get(k)]
+    if not snaps:
+        return 0
+    names = [n for n in snaps[-1][1]["categories"]]
+    print("\nFrontend native memory tracking, committed MB (" + ", ".join(
+        f"{k}: {v['requests']} requests" for k, v in snaps if "requests" in v) + ")\n")
+    print("| category | " + " | ".join(k for k, _ in snaps) + " | after warm-up delta |\n|---|"
+          + "---|" * (len(snaps) + 1))
+    after = (r.get("nmt_committed_delta_kb") or {}).get("after_warmup") or {}
+    for name in names:
+        cells = [f"{v['categories'].get(name, {}).get('committed', 0) / 1024:.1f}"
+                 for _, v in snaps]
+        delta = after.get(name)
+        print(f"| {name} | " + " | ".join(cells) + f" | "
+              f"{'-' if delta is None else f'{delta / 1024:+.1f}'} |")
+    print("| (process RSS) | " + " | ".join(f"{v['rss_kb'] / 1024:.1f}" for _, v in snaps)
+          + " | |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
         return report(argv[1:])
+    if argv[:1] == ["detail"] and len(argv) == 2:
+        return detail(argv[1])
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=100_000, help="stop after this many")
@@ -326,8 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-every", type=float, default=5, help="seconds between RSS samples")
     p.add_argument("--count-every", type=int, default=12,
                    help="samples between full GCs in the frontend (live objects, heap in use)")
-    p.add_argument("--heap-mb", type=int, default=0,
-                   help="fix the frontend's heap (-Xms = -Xmx, pre-touched); 0 = JVM default")
+    p.add_argument("--heap-mb", type=int, default=JVM.DEFAULT_HEAP_MIB,
+                   help="the frontend's heap (archive_tools/jvm_options.py: as `inf2serve serve "
+                   "--frontend-heap-mb` sets it)")
+    p.add_argument("--native-memory-tracking", action=argparse.BooleanOptionalAction,
+                   default=True, help="-XX:NativeMemoryTracking=summary in the frontend, read "
+                   "by jcmd (on by default; --no-native-memory-tracking measures its cost)")
     p.add_argument("--repo", default=str(ROOT), help="checkout whose runtime is served")
     p.add_argument("--label", default="", help="name of this run in reports")
     p.add_argument("--out", default="bench/results/soak.json")

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -108,6 +109,13 @@ def test_exported_container_serves_and_streams(tiny_checkpoint: Path, serving_py
             time.sleep(1)
         assert _run_probe(container["readinessProbe"]["exec"]["command"], remap, probe_env) == 0
         assert _run_probe(container["livenessProbe"]["exec"]["command"], remap, probe_env) == 0
+        # the ConfigMap's vmargs reach the JVM: its memory is what the container's limit holds
+        (java,) = [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "org.pytorch.serve.ModelServer" in p.cmdline()]
+        vmargs = next(line.split("=", 1)[1] for line in props.splitlines()
+                      if line.startswith("vmargs="))
+        assert vmargs.split() == [a for a in java if a in vmargs.split()]
+        assert "-Xmx256m" in java and any(a.startswith("-XX:MaxDirectMemorySize=") for a in java)
         r, chunks = stream(f"{url}/predictions/tiny")  # no token: the platform authenticates
         assert r.status_code == 200 and r.headers.get("transfer-encoding") == "chunked"
         assert "".join(chunks).strip()

@@ -1,5 +1,6 @@
 """`serve.start` picks its ports before TorchServe binds them; a port taken in between (a CI
-run lost a gRPC bind that way) costs one more start, never a failed or hung one."""
+run lost a gRPC bind that way) costs one more start, never a failed or hung one. The JVM it
+starts carries the frontend's memory bounds (config.properties' vmargs reach `java`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
 import pytest
 
 from archive_tools import serve
+from archive_tools.jvm_options import FrontendMemory
 from tests.e2e.harness import ArchiveSpec, build_store, post, running_server
 
 pytestmark = pytest.mark.e2e
@@ -39,6 +42,10 @@ def test_a_port_taken_before_torchserve_binds_it_is_picked_again(
         r = post(server, "tiny", {"prompt": "Once upon a time", "max_new_tokens": 4,
                                   "stream": False})
         assert r.status == 200, r.body
+        java = psutil.Process(server.pid).cmdline()
+        assert "org.pytorch.serve.ModelServer" in java
+        assert set(FrontendMemory().flags()) <= set(java)
+        assert "-Xmx256m" in java and any(a.startswith("-XX:MaxDirectMemorySize=") for a in java)
     out = (tmp_path / "run" / "torchserve.out").read_text()
     assert out.count("Address already in use") == 1  # the first start's, then one that bound
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from archive_tools.cli import main
+from archive_tools.jvm_options import FrontendMemory
 from archive_tools.package import package
 
 CONFIG = Path(__file__).resolve().parents[2] / "model_configs" / "tiny-llama-cpu.yaml"
@@ -38,6 +39,7 @@ def test_sagemaker_layout(archives: dict[str, Path], tmp_path: Path, capsys) -> 
     assert (out / "serve").stat().st_mode & 0o111
     assert "--models tiny=tiny" in (out / "serve").read_text()
     assert "aws s3 sync" in printed and '"CompressionType": "None"' in printed
+    assert p["vmargs"] == FrontendMemory().vmargs()  # the frontend JVM's memory, bounded
 
 
 def test_kserve_layout(archives: dict[str, Path], tmp_path: Path, capsys) -> None:
@@ -51,6 +53,14 @@ def test_kserve_layout(archives: dict[str, Path], tmp_path: Path, capsys) -> Non
     assert snap["models"]["tiny"]["1.0"]["marName"] == "tiny.mar"
     assert snap["models"]["tiny"]["1.0"]["batchSize"] == 1  # batchSize of model-config.yaml
     assert "kind: InferenceService" in printed and "storageUri: s3://BUCKET/tiny" in printed
+    assert p["vmargs"] == FrontendMemory().vmargs()
+
+
+def test_frontend_heap_option(archives: dict[str, Path], tmp_path: Path) -> None:
+    assert main(["export", "--target", "sagemaker", "--frontend-heap-mb", "512",
+                 str(archives["mar"]), str(tmp_path / "sm")]) == 0
+    assert props(tmp_path / "sm" / "config.properties")["vmargs"] == \
+        FrontendMemory(heap_mib=512).vmargs()
 
 
 def test_link_shares_inodes(archives: dict[str, Path], tmp_path: Path) -> None:

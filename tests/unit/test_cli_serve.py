@@ -1,10 +1,13 @@
-"""`inf2serve serve` output: every address a user needs, where tokens and logs are, how to stop."""
+"""`inf2serve serve`: every address a user needs, where tokens and logs are, how to stop; the
+frontend JVM's memory bounds in its config.properties."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from archive_tools import serve
+from archive_tools.cli import main
+from archive_tools.jvm_options import FrontendMemory
 
 
 def test_describe_lists_addresses_tokens_logs_and_stop(tmp_path: Path, monkeypatch) -> None:
@@ -22,3 +25,46 @@ def test_describe_lists_addresses_tokens_logs_and_stop(tmp_path: Path, monkeypat
     assert "tok-mgmt" not in text
     stop = text.splitlines()[-1].strip()
     assert stop.endswith("stop --run-dir .serve") and not stop.startswith("inf2serve ")
+
+
+def _props(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
+
+
+def test_config_properties_bound_the_frontend_jvm(tmp_path: Path) -> None:
+    """TorchServe passes `vmargs` to java split on whitespace (ts/model_server.py); without
+    it the JVM's heap, direct buffers and code cache grow as the machine allows."""
+    path = serve.write_config_properties(tmp_path, tmp_path, (1, 2, 3, 4, 5))
+    vmargs = _props(path)["vmargs"].split()
+    assert vmargs == FrontendMemory().flags()
+    assert "-Xms256m" in vmargs and "-Xmx256m" in vmargs
+    assert any(a.startswith("-XX:MaxDirectMemorySize=") for a in vmargs)
+    sized = serve.write_config_properties(tmp_path, tmp_path, (1, 2, 3, 4, 5),
+                                          frontend=FrontendMemory(heap_mib=1024),
+                                          native_memory_tracking=True)
+    vmargs = _props(sized)["vmargs"].split()
+    assert "-Xmx1024m" in vmargs and vmargs[-1] == "-XX:NativeMemoryTracking=summary"
+
+
+def test_a_callers_vmargs_are_kept_after_ours(tmp_path: Path) -> None:
+    path = serve.write_config_properties(tmp_path, tmp_path, (1, 2, 3, 4, 5),
+                                         extra={"vmargs": "-Xmx2g", "job_queue_size": "7"})
+    props = _props(path)
+    assert props["vmargs"] == f"{FrontendMemory().vmargs()} -Xmx2g"  # the last -Xmx wins
+    assert props["job_queue_size"] == "7"
+    assert path.read_text().count("vmargs=") == 1
+
+
+def test_frontend_heap_option(monkeypatch, capsys) -> None:
+    seen = {}
+
+    def fake_start(*args, **kwargs):
+        seen.update(kwargs)
+        raise serve.Inf2ServeError("stop here")
+
+    monkeypatch.setattr(serve, "start", fake_start)
+    assert main(["serve", "--model-store", "x", "--frontend-heap-mb", "512"]) == 2
+    assert seen["frontend"] == FrontendMemory(heap_mib=512)
+    assert main(["serve", "--model-store", "x", "--frontend-heap-mb", "16"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("error: --frontend-heap-mb 16: ") and "at least 64" in err

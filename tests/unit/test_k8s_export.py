@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -17,7 +18,9 @@ import yaml
 
 from archive_tools import k8s_export
 from archive_tools.cli import main
-from archive_tools.k8s_plan import NEURONCORE, NVIDIA_GPU, plan_pod
+from archive_tools.jvm_options import FrontendMemory
+from archive_tools.k8s_plan import LAUNCHER_MIB, NEURONCORE, NVIDIA_GPU, plan_pod
+from archive_tools.neuron_sizing import HOST_RESERVED_GIB
 from archive_tools.package import package
 from archive_tools.validate_cmd import ARCHITECTURES, validate
 from handlers.config import load_config
@@ -135,6 +138,45 @@ def test_torchserve_config_keeps_management_private(exported: dict[str, Path]) -
     assert {p["port"] for p in svc["spec"]["ports"]} == {8080, 8082}
 
 
+@pytest.mark.parametrize("kind", list(VARIANTS))
+def test_the_frontend_jvm_is_bounded_and_the_pod_holds_its_budget(
+        exported: dict[str, Path], kind: str) -> None:
+    """config.properties' vmargs bound every region of the JVM that grows, sized for the
+    pod's CPUs (no CPU limit: the JVM would size its threads for the node), and the
+    container's memory request and limit carry that budget next to the workers'."""
+    objs = resources(exported[kind])
+    props = dict(line.split("=", 1) for line in
+                 objs["ConfigMap"]["data"]["config.properties"].splitlines())
+    c = objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    frontend = FrontendMemory(cpus=int(c["resources"]["requests"]["cpu"]))
+    assert props["vmargs"] == frontend.vmargs()
+    assert "-Xms256m" in props["vmargs"] and "-XX:MaxDirectMemorySize=" in props["vmargs"]
+    plan = json.loads((exported[kind] / "plan.json").read_text())
+    workers_mib = math.ceil(max(0.0, plan["memory_gib"] - HOST_RESERVED_GIB) * 1024)
+    request = int(c["resources"]["requests"]["memory"].removesuffix("Mi"))
+    limit = int(c["resources"]["limits"]["memory"].removesuffix("Mi"))
+    assert request == plan["memory_request_mib"]
+    assert abs(request - (workers_mib + frontend.budget_mib + LAUNCHER_MIB)) <= 1
+    assert plan["frontend_memory_mib"] == frontend.budget_mib + LAUNCHER_MIB
+    assert limit - request >= frontend.budget_mib // 4  # the workers' headroom and /dev/shm
+    assert limit == plan["memory_limit_mib"]
+
+
+def test_frontend_heap_option_sizes_vmargs_and_memory(exported: dict[str, Path],
+                                                      tmp_path: Path, capsys) -> None:
+    archive = exported["cpu"] / "model-store" / "tiny-cpu"
+    out = tmp_path / "big"
+    assert main(["export", "--target", "kubernetes", str(archive), str(out),
+                 "--frontend-heap-mb", "1024"]) == 0
+    big, default = (json.loads((o / "plan.json").read_text()) for o in (out, exported["cpu"]))
+    assert "-Xms1024m -Xmx1024m" in big["frontend_vmargs"]
+    grown = FrontendMemory(heap_mib=1024).budget_mib - FrontendMemory().budget_mib
+    assert big["memory_request_mib"] - default["memory_request_mib"] == grown
+    assert main(["export", "--target", "kubernetes", str(archive), str(tmp_path / "small"),
+                 "--frontend-heap-mb", "8"]) == 2
+    assert "--frontend-heap-mb 8" in capsys.readouterr().err
+
+
 def test_neuron_pod(exported: dict[str, Path]) -> None:
     spec = pod(exported["neuron"])
     res = spec["containers"][0]["resources"]
@@ -227,7 +269,10 @@ def test_requests_match_validate_for_every_shipped_config(path: Path) -> None:
         named = path.stem.split("-")[0]  # the instance the config is written for
         report = validate(cfg, arch, named)
         load, compile_ = _validate_host_gib(report.notes)
-        expected = load if warm or compile_ is None else max(load, compile_)
+        estimate = load if warm or compile_ is None else max(load, compile_)
+        # validate's host reserve (OS and frontend) is replaced by the frontend's budget
+        frontend = FrontendMemory(cpus=plan.cpu).budget_mib + LAUNCHER_MIB
+        expected = estimate - HOST_RESERVED_GIB + frontend / 1024
         requested = int(res["requests"]["memory"].removesuffix("Mi")) / 1024
         assert abs(requested - expected) <= 0.051, (warm, requested, expected)
         if not any(w.startswith("host memory") for w in report.warnings):
