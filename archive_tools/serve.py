@@ -27,12 +27,12 @@ import tarfile
 import time
 import zipfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 
-from archive_tools import ts_logs
+from archive_tools import openai_router, ts_logs
 from archive_tools.jvm_options import DEFAULT_HEAP_MIB, FrontendMemory, merge_vmargs
 from archive_tools.ports import free_port
 from archive_tools.ts_logs import FRONTEND_OUT, died_at_load, load_failure, log_sizes, settle
@@ -60,6 +60,7 @@ class Server:
     management_token: str
     pid: int
     models: tuple[str, ...] = ()  # the models it serves, in --models order
+    openai_url: str = ""  # one OpenAI base URL for all of them (archive_tools/openai_router)
 
     def curl_example(self, model: str, prompt: str = "Once upon a time") -> str:
         body = json.dumps({"prompt": prompt, "max_new_tokens": 32})
@@ -278,11 +279,12 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
           workers: int = 1, env: dict[str, str] | None = None, python: str | None = None,
           ready_timeout_s: float = 900, extra_props: dict[str, str] | None = None,
           progress: Progress | None = None, frontend: FrontendMemory | None = None,
-          native_memory_tracking: bool = False) -> Server:
+          native_memory_tracking: bool = False, openai_port: int | None = None) -> Server:
     """Start TorchServe in the background and wait until `models` are READY (all the store's
     archives when `models` is empty); `progress` gets a line per loading model now and then.
     `frontend` bounds the JVM's memory (default FrontendMemory()); `native_memory_tracking`
-    lets `jcmd PID VM.native_memory summary` read it (bench/soak.py)."""
+    lets `jcmd PID VM.native_memory summary` read it (bench/soak.py). `openai_port` (0: a
+    free one) starts the one-base-URL OpenAI router beside it (archive_tools/openai_router)."""
     model_store = Path(model_store)
     if not model_store.is_dir():
         raise Inf2ServeError(f"--model-store {model_store}: no such directory")
@@ -309,10 +311,24 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
               extra_props, progress, frontend, native_memory_tracking)
     for _ in range(START_ATTEMPTS - 1):
         try:
-            return _launch(*launch)
+            server = _launch(*launch)
+            break
         except PortTaken:
             pass
-    return _launch(*launch)
+    else:
+        server = _launch(*launch)
+    if openai_port is None:
+        return server
+    try:
+        upstream = openai_router.Upstream(server.inference_url, {
+            m: _model_version(server, m) for m in server.models})
+        server = replace(server, openai_url=openai_router.start(
+            run_dir, upstream, openai_port or free_port()))
+        _write_public(server)
+    except BaseException:
+        stop(run_dir)
+        raise
+    return server
 
 
 def _launch(run_dir: Path, model_store: Path, specs: list[str], models: list[str], workers: int,
@@ -349,15 +365,19 @@ def _launch(run_dir: Path, model_store: Path, specs: list[str], models: list[str
         server = Server(run_dir, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}",
                         f"http://127.0.0.1:{ports[2]}", inference_token, management_token, pid,
                         tuple(models))
-        # addresses only: the tokens stay in TorchServe's own key_file.json
-        public = {k: v if k == "models" else str(v) for k, v in server.__dict__.items()
-                  if not k.endswith("_token")}
-        (run_dir / "server.json").write_text(json.dumps(public))
+        _write_public(server)
         wait_ready(server, models, ready_timeout_s, sizes, progress)
     except BaseException:
         stop(run_dir)
         raise
     return server
+
+
+def _write_public(server: Server) -> None:
+    """RUN_DIR/server.json: addresses only; the tokens stay in TorchServe's key_file.json."""
+    public = {k: v if k == "models" else str(v) for k, v in server.__dict__.items()
+              if not k.endswith("_token")}
+    (server.run_dir / "server.json").write_text(json.dumps(public))
 
 
 def fresh_token(run_dir: Path = DEFAULT_RUN_DIR, kind: str = "inference") -> tuple[str, str]:
@@ -394,6 +414,7 @@ def stop(run_dir: Path = DEFAULT_RUN_DIR, timeout_s: float = 60) -> bool:
     if run_dir.exists() and not run_dir.is_dir():
         raise Inf2ServeError(f"--run-dir {run_dir}: not a directory; pass the --run-dir "
                              "`inf2serve serve` was given (default .serve)")
+    openai_router.stop(run_dir)
     pid = _pid(run_dir)
     if not _alive(pid):
         return False
@@ -461,6 +482,8 @@ def describe(server: Server, models: str | Sequence[str], run_dir: str) -> str:
                  f"    OpenAI      {server.inference_url}/predictions/{name}/{version}/v1  "
                  "(base_url)"]
     served = f"{len(models)} models" if len(models) > 1 else "1 model"
+    if server.openai_url:
+        urls.append(f"  OpenAI, every model  {server.openai_url}  (base_url; `model` picks)")
     return "\n".join([
         f"TorchServe is up (127.0.0.1 only, token auth on), serving {served}:",
         *urls,
@@ -486,7 +509,8 @@ def _serve(args: argparse.Namespace) -> int:
                    workers=args.workers, ready_timeout_s=args.timeout,
                    extra_props={"install_py_dep_per_model": "true"}
                    if args.install_py_dep_per_model else None, progress=_say,
-                   frontend=_frontend(args.frontend_heap_mb))
+                   frontend=_frontend(args.frontend_heap_mb),
+                   openai_port=None if args.openai_port < 0 else args.openai_port)
     print(describe(server, server.models, args.run_dir))
     return 0
 
@@ -529,6 +553,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the frontend JVM's heap, fixed (-Xms = -Xmx) and pre-touched "
                    f"(default {DEFAULT_HEAP_MIB}); metaspace, code cache and direct buffers "
                    "get fixed bounds too (docs/packaging-and-deploying.md)")
+    p.add_argument("--openai-port", type=int, default=0, metavar="PORT",
+                   help="port of the one OpenAI base URL for every model (GET /v1/models, "
+                   "POST /v1/chat/completions routed by `model`; 127.0.0.1, the same token); "
+                   "default: a free port, -1: none")
     p.set_defaults(func=_serve)
     t = sub.add_parser(
         "token", help="get a fresh token from a running `inf2serve serve` (tokens expire)",

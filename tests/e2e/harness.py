@@ -58,12 +58,13 @@ def build_store(root: Path, checkpoint: Path, specs: list[ArchiveSpec]) -> Path:
 @contextlib.contextmanager
 def running_server(store: Path, run_dir: Path, models: list[str],
                    env: dict[str, str] | None = None, workers: int = 1,
-                   python: str | None = None, extra_props: dict[str, str] | None = None
-                   ) -> Iterator[serve.Server]:
+                   python: str | None = None, extra_props: dict[str, str] | None = None,
+                   openai_port: int | None = None) -> Iterator[serve.Server]:
     server = None
     try:
         server = serve.start(store, models, run_dir, env=env, workers=workers, python=python,
-                             ready_timeout_s=300, extra_props=extra_props)
+                             ready_timeout_s=300, extra_props=extra_props,
+                             openai_port=openai_port)
         yield server
     finally:
         serve.stop(run_dir)

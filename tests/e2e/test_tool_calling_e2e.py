@@ -34,7 +34,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     store = build_store(root, checkpoint, [
         ArchiveSpec(TOOLS_MODEL, handler=HANDLER),
         ArchiveSpec(PLAIN_MODEL, handler={**HANDLER, "chat_template": "llama-2"})])
-    with running_server(store, root / "run", [TOOLS_MODEL, PLAIN_MODEL]) as srv:
+    with running_server(store, root / "run", [TOOLS_MODEL, PLAIN_MODEL], openai_port=0) as srv:
         yield srv
 
 
@@ -102,6 +102,26 @@ def test_a_budget_over_the_limit_is_capped_for_a_chat_uis_title_request(server) 
     answer = client(server, PLAIN_MODEL).chat.completions.create(
         model=PLAIN_MODEL, messages=ASK, max_tokens=1000, temperature=0)
     assert answer.choices[0].message.content == "Hello from a plain chat."
+
+
+def test_one_base_url_lists_every_model_and_chats_with_each(server) -> None:
+    """The router `serve` starts: GET /v1/models lists both, `model` routes each chat, the
+    same token is checked by TorchServe itself."""
+    from openai import AuthenticationError, OpenAI
+
+    assert server.openai_url.endswith("/v1")
+    openai = OpenAI(base_url=server.openai_url, api_key=server.inference_token, max_retries=0,
+                    timeout=60)
+    assert sorted(m.id for m in openai.models.list()) == [PLAIN_MODEL, TOOLS_MODEL]
+    plain = openai.chat.completions.create(model=PLAIN_MODEL, messages=ASK, temperature=0)
+    assert plain.choices[0].message.content == "Hello from a plain chat."
+    stream = openai.chat.completions.create(model=TOOLS_MODEL, messages=ASK, tools=[WEATHER],
+                                            temperature=0, stream=True)
+    called = [c.function.name for chunk in stream for c in chunk.choices[0].delta.tool_calls or ()
+              if chunk.choices and c.function and c.function.name]
+    assert called == ["get_weather"]
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=server.openai_url, api_key="wrong", max_retries=0).models.list()
 
 
 def test_scripted_checkpoint_is_a_plain_llama(tmp_path: Path) -> None:

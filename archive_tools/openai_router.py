@@ -1,0 +1,282 @@
+"""One OpenAI base URL for every served model: `/v1/models` lists them all, and
+`/v1/chat/completions` and `/v1/completions` go to the model the body names.
+
+TorchServe 0.12 serves each model's OpenAI API under its own prefix
+(`/predictions/{model}/{version}/v1`), and cannot carry a root `/v1` itself: an endpoint
+plugin answers with one whole `FullHttpResponse` after it returns, so it cannot stream,
+and its context cannot reach a worker (docs/design.md cites the lines). vLLM's and TGI's
+users, and chat UIs (Open WebUI's `OPENAI_API_BASE_URLS`, HF chat-ui's `OPENAI_BASE_URL`),
+expect one base URL. So `inf2serve serve` runs this small router beside TorchServe: it
+reads only the `model` field, forwards the request unchanged -- the client's bearer token
+included, so TorchServe's own token check is the only auth -- and copies the answer back
+chunk by chunk as it arrives. A client that leaves closes the upstream request too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from handlers.errors import Inf2ServeError
+
+log = logging.getLogger("inf2serve.router")
+#: TorchServe's own default max_request_size: a bigger body would be a 413 there anyway
+MAX_BODY = 6_553_500
+ROUTED = ("chat/completions", "completions")
+#: headers passed to TorchServe, and back to the client
+REQUEST_HEADERS = ("authorization", "content-type", "accept")
+RESPONSE_HEADERS = ("content-type", "retry-after", "www-authenticate")
+
+
+#: how TorchServe 0.12 refuses a bad token: a 400 with this text (TokenAuthorizationHandler)
+TOKEN_REFUSAL = b"Token Authorization failed"
+
+
+def auth_refusal(status: int, body: bytes) -> dict[str, Any] | None:
+    """TorchServe's token refusal as the 401 OpenAI clients know (the `openai` client raises
+    AuthenticationError, chat UIs ask for a new key); None for any other answer."""
+    if status == 400 and TOKEN_REFUSAL in body[:500]:
+        return error(401, "the token was refused (wrong or expired); get a fresh one with "
+                     "`inf2serve token`")
+    return None
+
+
+def error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, as the models' own endpoints answer."""
+    kind = {401: "authentication_error", 404: "invalid_request_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """TorchServe's inference address and the served models (name -> version)."""
+
+    url: str
+    models: dict[str, str]
+
+    def base(self, model: str) -> str:
+        return f"{self.url}/predictions/{model}/{self.models[model]}/v1"
+
+
+def pick_model(body: bytes, models: dict[str, str]) -> tuple[str | None, dict | None]:
+    """(model, None), or (None, an error to answer): the body's `model`, which may be left
+    out only when one model is served."""
+    try:
+        data = json.loads(body or b"{}")
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        return None, error(400, "expected a JSON object body")
+    name = data.get("model")
+    if name is None and len(models) == 1:
+        return next(iter(models)), None
+    if name is None:
+        return None, error(400, f"name the model; served: {', '.join(sorted(models))}",
+                           "model")
+    if name not in models:
+        shown = name if isinstance(name, str) and len(name) <= 60 else "that model"
+        return None, error(404, f"the model {shown!r} does not exist; served: "
+                           f"{', '.join(sorted(models))} (GET /v1/models lists them)", "model")
+    return name, None
+
+
+def make_app(upstream: Upstream) -> Any:
+    """The aiohttp application (imported here: the runtime never needs aiohttp's server)."""
+    import aiohttp
+    from aiohttp import web
+
+    timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=None)
+    client_key = web.AppKey("client", aiohttp.ClientSession)
+
+    async def session(app: web.Application):
+        app[client_key] = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        yield
+        await app[client_key].close()
+
+    def forwarded(request: web.Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() in REQUEST_HEADERS}
+
+    async def models(request: web.Request) -> web.Response:
+        """Every model's own listing, merged; a refusal (a bad token) is passed on as is."""
+        client: aiohttp.ClientSession = request.app[client_key]
+
+        async def one(name: str) -> tuple[int, Any]:
+            async with client.get(f"{upstream.base(name)}/models",
+                                  headers=forwarded(request)) as r:
+                body = await r.read()
+                refused = auth_refusal(r.status, body)
+                return (401, refused) if refused else (r.status, json.loads(body))
+
+        try:
+            answers = await asyncio.gather(*(one(m) for m in upstream.models))
+        except (aiohttp.ClientError, ValueError) as exc:
+            return web.json_response(error(502, f"TorchServe did not answer: {exc}"), status=502)
+        for status, body in answers:
+            if status != 200:
+                return web.json_response(body, status=status)
+        data = [card for _, body in answers for card in body.get("data", [])]
+        return web.json_response({"object": "list", "data": data})
+
+    async def model(request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in upstream.models:
+            return web.json_response(error(404, "no such model; GET /v1/models lists them",
+                                           "model"), status=404)
+        return await relay(request, f"{upstream.base(name)}/models/{name}", b"")
+
+    async def routed(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        name, refusal = pick_model(body, upstream.models)
+        if refusal is not None:
+            return web.json_response(refusal, status=refusal["error"]["code"])
+        return await relay(request, f"{upstream.base(name)}/{request.match_info['path']}", body)
+
+    async def relay(request: web.Request, url: str, body: bytes) -> web.StreamResponse:
+        """The upstream answer, chunk by chunk as it arrives."""
+        client: aiohttp.ClientSession = request.app[client_key]
+        try:
+            upstream_response = await client.request(request.method, url, data=body or None,
+                                                     headers=forwarded(request))
+        except aiohttp.ClientError as exc:
+            return web.json_response(error(502, f"TorchServe did not answer: {exc}"), status=502)
+        async with upstream_response as r:
+            if r.status != 200:  # a whole error answer: small, and maybe a token refusal
+                body = await r.read()
+                refused = auth_refusal(r.status, body)
+                if refused is not None:
+                    return web.json_response(refused, status=401)
+                return web.Response(status=r.status, body=body, headers={
+                    k: v for k, v in r.headers.items() if k.lower() in RESPONSE_HEADERS})
+            out = web.StreamResponse(status=r.status, headers={
+                k: v for k, v in r.headers.items() if k.lower() in RESPONSE_HEADERS})
+            await out.prepare(request)
+            try:
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+            except (ConnectionResetError, aiohttp.ClientError) as exc:  # either side left
+                log.info("stream to %s ended early: %s", request.remote, exc)
+                return out
+            await out.write_eof()
+            return out
+
+    async def health(request: web.Request) -> web.Response:
+        try:
+            async with request.app[client_key].get(f"{upstream.url}/ping") as r:
+                return web.json_response(await r.json(content_type=None), status=r.status)
+        except (aiohttp.ClientError, ValueError) as exc:
+            return web.json_response(error(502, f"TorchServe did not answer: {exc}"), status=502)
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app.cleanup_ctx.append(session)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_post("/v1/{path:chat/completions|completions}", routed)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    return app
+
+
+PID_FILE = "openai_router.pid"
+LOG_FILE = "openai_router.log"
+#: routers started by this process, reaped when stopped (a test's server, not the CLI's)
+_CHILDREN: dict[int, subprocess.Popen] = {}
+
+
+def start(run_dir: Path, upstream: Upstream, port: int, timeout_s: float = 30) -> str:
+    """Run the router as its own process (it outlives `inf2serve serve`, as TorchServe does)
+    and return its base URL once it answers; its pid goes to RUN_DIR/openai_router.pid."""
+    stop(run_dir)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "archive_tools.openai_router", "--upstream", upstream.url,
+           "--port", str(port), *[a for name, version in upstream.models.items()
+                                  for a in ("--model", f"{name}={version}")]]
+    with open(logs / LOG_FILE, "ab") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                cwd=Path(__file__).resolve().parents[1])
+    (run_dir / PID_FILE).write_text(str(proc.pid))
+    _CHILDREN[proc.pid] = proc
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{url}/ping", timeout=2).status_code < 500:
+                return f"{url}/v1"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop(run_dir)
+    raise Inf2ServeError(f"the OpenAI router did not start on port {port}; see "
+                         f"{logs / LOG_FILE}")
+
+
+def stop(run_dir: Path) -> bool:
+    """Stop the router of `run_dir`, if one runs; True if it did."""
+    path = run_dir / PID_FILE
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    path.unlink(missing_ok=True)
+    child = _CHILDREN.pop(pid, None)
+    try:  # a stale pid file's number may belong to another process by now
+        if b"archive_tools.openai_router" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+    except OSError:
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    for _ in range(50):
+        if child is not None and child.poll() is not None:
+            return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if child is not None:
+        child.wait(5)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", required=True, help="TorchServe's inference URL")
+    parser.add_argument("--model", action="append", default=[], metavar="NAME=VERSION",
+                        help="a served model and its version (repeat)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    from aiohttp import web
+
+    models = dict(spec.split("=", 1) for spec in args.model)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    web.run_app(make_app(Upstream(args.upstream.rstrip("/"), models)), host=args.host,
+                port=args.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
