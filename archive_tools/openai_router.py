@@ -9,7 +9,13 @@ users, and chat UIs (Open WebUI's `OPENAI_API_BASE_URLS`, HF chat-ui's `OPENAI_B
 expect one base URL. So `inf2serve serve` runs this small router beside TorchServe: it
 reads only the `model` field, forwards the request unchanged -- the client's bearer token
 included, so TorchServe's own token check is the only auth -- and copies the answer back
-chunk by chunk as it arrives. A client that leaves closes the upstream request too.
+chunk by chunk as it arrives.
+
+A client that leaves frees its slot within a step. TorchServe 0.12 tells a worker nothing
+of a disconnect (docs/design.md), but this router holds the client's connection: it names
+each request it forwards (the `x-inf2serve-client-id` header), and when the client goes
+away -- a chat UI's stop button, a closed tab -- it POSTs that name to the model's
+`inf2serve/cancel` path, with the client's own token, and the handler ends the request.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +42,8 @@ log = logging.getLogger("inf2serve.router")
 #: TorchServe's own default max_request_size: a bigger body would be a 413 there anyway
 MAX_BODY = 6_553_500
 ROUTED = ("chat/completions", "completions")
+#: the name the router gives each forwarded request (handlers/torchserve/generation_handler.py)
+CLIENT_ID_HEADER = "x-inf2serve-client-id"
 #: headers passed to TorchServe, and back to the client
 REQUEST_HEADERS = ("authorization", "content-type", "accept")
 RESPONSE_HEADERS = ("content-type", "retry-after", "www-authenticate")
@@ -69,6 +78,9 @@ class Upstream:
 
     def base(self, model: str) -> str:
         return f"{self.url}/predictions/{model}/{self.models[model]}/v1"
+
+    def cancel_url(self, model: str) -> str:
+        return f"{self.url}/predictions/{model}/{self.models[model]}/inf2serve/cancel"
 
 
 def pick_model(body: bytes, models: dict[str, str]) -> tuple[str | None, dict | None]:
@@ -135,42 +147,74 @@ def make_app(upstream: Upstream) -> Any:
         if name not in upstream.models:
             return web.json_response(error(404, "no such model; GET /v1/models lists them",
                                            "model"), status=404)
-        return await relay(request, f"{upstream.base(name)}/models/{name}", b"")
+        return (await relay(request, f"{upstream.base(name)}/models/{name}", b""))[0]
+
+    pending: set[asyncio.Task] = set()  # cancels on their way, kept from the collector
+
+    async def cancel(request: web.Request, model: str, client_id: str) -> None:
+        """Tell the model that this client left (its own token authorizes it)."""
+        client: aiohttp.ClientSession = request.app[client_key]
+        headers = {k: v for k, v in forwarded(request).items() if k.lower() == "authorization"}
+        try:
+            async with client.post(upstream.cancel_url(model), json={"client_id": client_id},
+                                   headers=headers) as r:
+                log.info("client %s left: cancel answered %s %s", client_id, r.status,
+                         (await r.read())[:100])
+        except aiohttp.ClientError as exc:
+            log.warning("client %s left; the cancel failed: %s", client_id, exc)
 
     async def routed(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         name, refusal = pick_model(body, upstream.models)
         if refusal is not None:
             return web.json_response(refusal, status=refusal["error"]["code"])
-        return await relay(request, f"{upstream.base(name)}/{request.match_info['path']}", body)
+        client_id = uuid.uuid4().hex
+        finished = False
+        try:
+            response, finished = await relay(request, f"{upstream.base(name)}/"
+                                             f"{request.match_info['path']}", body, client_id)
+            return response
+        finally:
+            if not finished:  # the client left (or the relay was cancelled): free its slot
+                task = asyncio.get_running_loop().create_task(cancel(request, name, client_id))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
 
-    async def relay(request: web.Request, url: str, body: bytes) -> web.StreamResponse:
-        """The upstream answer, chunk by chunk as it arrives."""
+    async def relay(request: web.Request, url: str, body: bytes,
+                    client_id: str = "") -> tuple[web.StreamResponse, bool]:
+        """The upstream answer, chunk by chunk as it arrives, and whether the client got
+        all of it (False: it left)."""
         client: aiohttp.ClientSession = request.app[client_key]
+        headers = forwarded(request)
+        if client_id:
+            headers[CLIENT_ID_HEADER] = client_id
         try:
             upstream_response = await client.request(request.method, url, data=body or None,
-                                                     headers=forwarded(request))
+                                                     headers=headers)
         except aiohttp.ClientError as exc:
-            return web.json_response(error(502, f"TorchServe did not answer: {exc}"), status=502)
+            return web.json_response(error(502, f"TorchServe did not answer: {exc}"),
+                                     status=502), True
         async with upstream_response as r:
             if r.status != 200:  # a whole error answer: small, and maybe a token refusal
                 body = await r.read()
                 refused = auth_refusal(r.status, body)
                 if refused is not None:
-                    return web.json_response(refused, status=401)
+                    return web.json_response(refused, status=401), True
                 return web.Response(status=r.status, body=body, headers={
-                    k: v for k, v in r.headers.items() if k.lower() in RESPONSE_HEADERS})
+                    k: v for k, v in r.headers.items() if k.lower() in RESPONSE_HEADERS}), True
             out = web.StreamResponse(status=r.status, headers={
                 k: v for k, v in r.headers.items() if k.lower() in RESPONSE_HEADERS})
             await out.prepare(request)
             try:
                 async for chunk in r.content.iter_any():
                     await out.write(chunk)
-            except (ConnectionResetError, aiohttp.ClientError) as exc:  # either side left
+            except ConnectionResetError:  # the client left
+                return out, False
+            except aiohttp.ClientError as exc:  # TorchServe cut the stream: pass that on
                 log.info("stream to %s ended early: %s", request.remote, exc)
-                return out
+                return out, True
             await out.write_eof()
-            return out
+            return out, True
 
     async def health(request: web.Request) -> web.Response:
         try:
@@ -273,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
 
     models = dict(spec.split("=", 1) for spec in args.model)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # handler_cancellation: a client that leaves cancels its handler at once, also while
+    # the answer is not streamed, so its request is cancelled upstream (routed's finally)
     web.run_app(make_app(Upstream(args.upstream.rstrip("/"), models)), host=args.host,
-                port=args.port, print=None, access_log=None)
+                port=args.port, print=None, access_log=None, handler_cancellation=True)
     return 0
 
 

@@ -11,13 +11,14 @@ batch would keep every stream open until the slowest request ends).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import struct
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from handlers.api.framing import Framer, native_framer
+from handlers.api.framing import Framer, error_body, native_framer
 from handlers.api.native import Immediate, NativeApi
 from handlers.api.routes import select_api
 from handlers.backends.base import Backend
@@ -39,6 +40,10 @@ TS_STREAM_NEXT = "ts_stream_next"
 #: what `send_intermediate_predict_response` says in a message's header
 INTERMEDIATE = "Intermediate"
 #: what a request hears when the TorchServe worker process dies under it
+#: the OpenAI router (archive_tools/openai_router.py) names each request it forwards with
+#: this header, and POSTs {"client_id"} to CANCEL_PATH when that request's client leaves
+CLIENT_ID_HEADER = "x-inf2serve-client-id"
+CANCEL_PATH = "inf2serve/cancel"
 WORKER_DIED = ("the TorchServe worker process died; it is being restarted, retry the request "
                "once it is back (seconds, or the model's load time)")
 
@@ -261,8 +266,11 @@ class GenerationHandler:
     async def serve_one(self, writer: StreamWriter, item: dict) -> str:
         context, idx = writer.context, writer.idx
         framer: Framer = NativeApi.error_framer
+        url_path = (context.get_request_header(idx, "url_path") or "").strip("/")
+        if url_path == CANCEL_PATH:
+            return self._cancel(writer, _payload(item))
         try:
-            api = select_api(context.get_request_header(idx, "url_path"))
+            api = select_api(url_path)
             framer = api.error_framer
             prepared = api.prepare(_payload(item), _content_type(context, idx), self.service)
             if isinstance(prepared, Immediate):
@@ -286,11 +294,29 @@ class GenerationHandler:
         except CapacityError as exc:
             return writer.fail(503, framer.error(503, str(exc)),
                                {"Retry-After": str(exc.retry_after_s)})
+        client_id = _header(context, idx, CLIENT_ID_HEADER)
+        if client_id:
+            self.service.clients[client_id] = context.get_request_id(idx)
         try:
             return await self.stream(writer, framer, events)
         except BaseException:  # the coroutine was cancelled or the socket failed: free the slot
             self.service.engine.cancel(context.get_request_id(idx))
             raise
+        finally:
+            if client_id:
+                self.service.clients.pop(client_id, None)
+
+    def _cancel(self, writer: StreamWriter, payload: Any) -> str:
+        """The router's word that a client left: {"client_id"} -> {"cancelled": bool}."""
+        try:
+            body = json.loads(payload) if isinstance(payload, (bytes, str)) else payload
+            client_id = body["client_id"]
+        except (ValueError, TypeError, KeyError):
+            return writer.fail(400, json.dumps(error_body(400, "expected {\"client_id\": ...}",
+                                                          "client_id")))
+        cancelled = self.service.cancel_client(str(client_id))
+        writer.context.set_response_content_type(writer.idx, "application/json")
+        return writer.finish(json.dumps({"cancelled": cancelled}))
 
     async def stream(self, writer: StreamWriter, framer: Framer, events: asyncio.Queue) -> str:
         """Wait for the sequence's end; the return value is the last piece.
@@ -365,6 +391,18 @@ def _last_words(request_id: str, framer: Framer) -> LastWords | None:
     in_stream = framer.error(500, WORKER_DIED, in_stream=True) if framer.streaming else None
     return worker_service.last_words(request_id, framer.content_type,
                                      framer.error(500, WORKER_DIED), in_stream)
+
+
+def _header(context: Any, idx: int, name: str) -> str:
+    """A request header, whatever case the client sent its name in."""
+    try:
+        headers = context.get_all_request_header(idx) or {}
+    except (AttributeError, IndexError, TypeError):
+        return ""
+    for key, value in headers.items():
+        if isinstance(key, str) and key.lower() == name:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return ""
 
 
 def _payload(item: dict) -> Any:

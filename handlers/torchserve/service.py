@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from handlers.api.request import GenerationRequest, fit_to_context
@@ -63,6 +63,9 @@ class GenerationService:
     tokenizer: object
     limits: ModelLimits  # what requests are checked against
     engine: EngineHandle  # inline or in the engine process
+    #: the OpenAI router's name for each running request (its client id -> request id), so
+    #: that it can cancel one when its client leaves (cancel_client)
+    clients: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def create(cls, config: ModelConfig, model_dir: Path, observer: Observer | None = None,
@@ -84,6 +87,16 @@ class GenerationService:
 
     def encode(self, prompt: str) -> list[int]:
         return self._encode(prompt)
+
+    def cancel_client(self, client_id: str) -> bool:
+        """End the request the router named `client_id`: its client left. TorchServe 0.12
+        never tells a worker of a disconnect (docs/design.md); the router, which holds the
+        client's connection, does. False when no such request runs (it ended already)."""
+        request_id = self.clients.pop(client_id, None)
+        if request_id is None:
+            return False
+        self.engine.cancel(request_id)
+        return True
 
     def submit(self, request_id: str, request: GenerationRequest, prompt_ids: list[int],
                loop: asyncio.AbstractEventLoop, on_text: Callable[[str], None] | None = None

@@ -22,6 +22,7 @@ from handlers.engine.messages import ModelLimits
 from handlers.engine.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.errors import CapacityError
 from handlers.torchserve.generation_handler import GenerationHandler
+from handlers.torchserve.service import GenerationService
 from tests.unit.ts_frontend import HttpView, decode, http_view
 
 DONE = FinishEvent("length", 3, 2, "Hi!")
@@ -205,3 +206,49 @@ def test_the_chunks_of_one_step_leave_in_one_message_and_each_stream_stays_whole
         assert (view.status, view.framing, view.complete, view.forgotten) == (
             200, "chunked", True, True)
         assert view.body.decode() == f"a{rid} b{rid} "
+
+
+def test_the_routers_cancel_ends_the_request_it_named_while_it_runs():
+    """The OpenAI router names each request (x-inf2serve-client-id); when its client leaves
+    it POSTs that name to inf2serve/cancel, and the running request is cancelled."""
+    handler = GenerationHandler()
+    service = FakeService([])
+    cancelled: list[str] = []
+    service.engine = SimpleNamespace(cancel=cancelled.append, down=None)
+    service.clients = {}
+    service.cancel_client = lambda client_id: (
+        GenerationService.cancel_client(service, client_id))
+    handler.service = service
+
+    def context(url_path: str, headers: dict, request_id: str) -> Context:
+        ctx = Context("tiny", "/m", {}, 1, None, "0.12.0")
+        ctx.request_processor = [RequestProcessor({"url_path": url_path, **headers})]
+        ctx.request_ids = {0: request_id}
+        ctx.cl_socket = Socket()
+        return ctx
+
+    async def main() -> tuple[HttpView, HttpView]:
+        events: asyncio.Queue = asyncio.Queue()
+        service.submit = lambda *args, **kwargs: events  # runs until its queue ends
+        running = asyncio.ensure_future(handler.handle(
+            [{"body": NATIVE}], context("", {"X-Inf2serve-Client-Id": "c1"}, "req-1")))
+        await asyncio.sleep(0.05)
+        assert service.clients == {"c1": "req-1"}
+        cancel = context("inf2serve/cancel", {}, "req-2")
+        ret = await handler.handle([{"body": json.dumps({"client_id": "c1"}).encode()}],
+                                   cancel)
+        cancel.cl_socket.sendall(create_predict_response(ret, cancel.request_ids, "ok", 200,
+                                                         cancel))
+        events.put_nowait(ErrorEvent(499, "cancelled"))  # what the engine then sends
+        await running
+        again = context("inf2serve/cancel", {}, "req-3")
+        ret = await handler.handle([{"body": {"client_id": "c1"}}], again)
+        again.cl_socket.sendall(create_predict_response(ret, again.request_ids, "ok", 200,
+                                                        again))
+        return (http_view(decode(cancel.cl_socket.sent)),
+                http_view(decode(again.cl_socket.sent)))
+
+    first, second = asyncio.run(main())
+    assert cancelled == ["req-1"] and service.clients == {}
+    assert json.loads(first.body) == {"cancelled": True}
+    assert json.loads(second.body) == {"cancelled": False}  # it ended: nothing to cancel

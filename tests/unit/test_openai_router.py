@@ -33,6 +33,7 @@ def fake_torchserve(seen: list[tuple[str, bytes]], gate: asyncio.Event) -> web.A
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         seen.append((request.path, body))
+        seen.append(("client-id", request.headers.get("x-inf2serve-client-id", "").encode()))
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         await out.write(b'data: {"first": true}\n\n')
@@ -41,12 +42,18 @@ def fake_torchserve(seen: list[tuple[str, bytes]], gate: asyncio.Event) -> web.A
         await out.write_eof()
         return out
 
+    async def cancel(request: web.Request) -> web.Response:
+        seen.append((request.path, await request.read()))
+        seen.append(("cancel-auth", request.headers.get("Authorization", "").encode()))
+        return web.json_response({"cancelled": True})
+
     async def ping(request: web.Request) -> web.Response:
         return web.json_response({"status": "Healthy"})
 
     app = web.Application()
     app.router.add_get("/predictions/{model}/{version}/v1/models", models)
     app.router.add_post("/predictions/{model}/{version}/v1/chat/completions", chat)
+    app.router.add_post("/predictions/{model}/{version}/inf2serve/cancel", cancel)
     app.router.add_get("/ping", ping)
     return app
 
@@ -57,7 +64,7 @@ def run(test) -> None:
         gate = asyncio.Event()
         async with TestServer(fake_torchserve(seen, gate)) as upstream:
             router = make_app(Upstream(str(upstream.make_url("")).rstrip("/"), MODELS))
-            async with TestClient(TestServer(router)) as client:
+            async with TestClient(TestServer(router, handler_cancellation=True)) as client:
                 await test(client, seen, gate)
 
     asyncio.run(go())
@@ -87,7 +94,31 @@ def test_a_chat_goes_to_the_model_it_names_and_streams_as_it_comes() -> None:
         assert first == b'data: {"first": true}\n\n'  # before the upstream has finished
         gate.set()
         assert (await r.read()) == b"data: [DONE]\n\n"
-        assert seen == [("/predictions/beta/2.0/v1/chat/completions", body)]  # unchanged
+        assert seen[0] == ("/predictions/beta/2.0/v1/chat/completions", body)  # unchanged
+        assert seen[1][0] == "client-id" and len(seen[1][1]) == 32  # named for a cancel
+        await asyncio.sleep(0.1)
+        assert len(seen) == 2  # it finished: nothing to cancel
+
+    run(test)
+
+
+def test_a_client_that_leaves_mid_stream_is_cancelled_upstream_with_its_token() -> None:
+    """TorchServe tells a worker nothing of a disconnect; the router, which holds the
+    client's connection, tells the model (generation_handler's inf2serve/cancel)."""
+    async def test(client, seen, gate) -> None:
+        r = await client.post("/v1/chat/completions", headers=AUTH,
+                              json={"model": "alpha", "messages": [], "stream": True})
+        await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+        r.close()  # the client goes away while the upstream still streams
+        for _ in range(50):
+            if any(path.endswith("/inf2serve/cancel") for path, _ in seen):
+                break
+            await asyncio.sleep(0.1)
+        gate.set()
+        client_id = dict(seen)["client-id"].decode()
+        assert ("/predictions/alpha/1.0/inf2serve/cancel",
+                json.dumps({"client_id": client_id}).encode()) in seen
+        assert ("cancel-auth", f"Bearer {TOKEN}".encode()) in seen
 
     run(test)
 
