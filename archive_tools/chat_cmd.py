@@ -55,7 +55,9 @@ def _check_url(url: str) -> str:
 
 
 def served_base_urls(run_dir: Path) -> list[str]:
-    """The OpenAI base URL of every model the `inf2serve serve` of `run_dir` serves.
+    """The OpenAI base URL of every model the `inf2serve serve` of `run_dir` serves: its one
+    base URL for all of them (archive_tools/openai_router.py) when it runs one -- through it,
+    the stop button also frees the reply's slot at the model -- else each model's own.
 
     What `serve` itself prints: server.json has the inference URL and the models (the
     tokens stay in TorchServe's key_file.json), the version in each URL comes from the
@@ -79,6 +81,8 @@ def served_base_urls(run_dir: Path) -> list[str]:
     if not serve._alive(server.pid):
         raise ChatError(f"the TorchServe of {run_dir} is not running (pid {server.pid}); "
                         f"start it again with `inf2serve serve --run-dir {run_dir} ...`")
+    if info.get("openai_url"):
+        return [str(info["openai_url"])]
     return [f"{server.inference_url}/predictions/{name}/{serve._model_version(server, name)}/v1"
             for name in server.models]
 

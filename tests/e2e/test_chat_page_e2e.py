@@ -120,7 +120,7 @@ def _stop(chat: ChatProcess) -> None:
 def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("chat-e2e")
     store = build_store(root, tiny_checkpoint, [ArchiveSpec(MODEL)])
-    with running_server(store, root / "run", [MODEL]) as srv:
+    with running_server(store, root / "run", [MODEL], openai_port=0) as srv:
         yield srv
 
 

@@ -318,6 +318,16 @@ def test_the_running_server_gives_each_model_its_base_url(fake: str, tmp_path: P
         "http://127.0.0.1:9/predictions/tiny/2.0/v1", "http://127.0.0.1:9/predictions/other/2.0/v1"]
 
 
+def test_the_servers_one_base_url_is_taken_when_it_runs_one(fake: str, tmp_path: Path) -> None:
+    """Through the router, the page's stop button also cancels the reply at the model."""
+    management = fake.split("/predictions")[0]
+    run = _run_dir(tmp_path, management, os.getpid())
+    info = json.loads((run / "server.json").read_text())
+    (run / "server.json").write_text(json.dumps({**info,
+                                                 "openai_url": "http://127.0.0.1:7/v1"}))
+    assert chat_cmd.served_base_urls(run) == ["http://127.0.0.1:7/v1"]
+
+
 def test_a_server_that_stopped_is_refused_in_one_line(tmp_path: Path) -> None:
     ended = subprocess.Popen(["true"])  # a pid that has exited
     ended.wait()
