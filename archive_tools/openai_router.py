@@ -218,7 +218,9 @@ def make_app(upstream: Upstream) -> Any:
 
     async def health(request: web.Request) -> web.Response:
         try:
-            async with request.app[client_key].get(f"{upstream.url}/ping") as r:
+            # TorchServe 0.12 wants the inference token on /ping too: the client's is passed
+            async with request.app[client_key].get(f"{upstream.url}/ping",
+                                                   headers=forwarded(request)) as r:
                 return web.json_response(await r.json(content_type=None), status=r.status)
         except (aiohttp.ClientError, ValueError) as exc:
             return web.json_response(error(502, f"TorchServe did not answer: {exc}"), status=502)

@@ -48,6 +48,8 @@ def fake_torchserve(seen: list[tuple[str, bytes]], gate: asyncio.Event) -> web.A
         return web.json_response({"cancelled": True})
 
     async def ping(request: web.Request) -> web.Response:
+        if not authorized(request):  # TorchServe 0.12 checks the token on /ping too
+            return web.json_response({"code": 400, "type": "InvalidKeyException"}, status=400)
         return web.json_response({"status": "Healthy"})
 
     app = web.Application()
@@ -146,7 +148,7 @@ def test_one_served_model_needs_no_name() -> None:
 
 def test_health_is_torchserves_ping() -> None:
     async def test(client, seen, gate) -> None:
-        r = await client.get("/health")
+        r = await client.get("/health", headers=AUTH)
         assert r.status == 200 and (await r.json()) == {"status": "Healthy"}
 
     run(test)
