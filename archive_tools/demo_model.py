@@ -36,7 +36,7 @@ class DemoSize:
 SIZES = {
     # under 1M parameters: for tests
     "tiny": DemoSize(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=172, vocab=1024,
-                     max_positions=512),
+                     max_positions=2048),
     # about 88M parameters: for benchmarks
     "bench": DemoSize(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=8000,
                       max_positions=2048),

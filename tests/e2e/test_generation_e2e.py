@@ -134,7 +134,7 @@ def test_other_bad_bodies_get_400_naming_the_field(server):
     assert r.status == 400 and "UTF-8" in r.text
     r = post(server, "tiny-cont", {"prompt": "x", "max_new_token": 3})
     assert r.status == 400 and "max_new_tokens" in r.json()["error"]["message"]
-    r = post(server, "tiny-cont", {"prompt": "word " * 600})
+    r = post(server, "tiny-cont", {"prompt": "word " * 2100})
     assert r.status == 400 and r.json()["error"]["field"] == "prompt"
 
 

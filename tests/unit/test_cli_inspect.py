@@ -41,7 +41,7 @@ def test_output_names_files_and_config_values(store: dict[str, Path], fmt: str, 
     assert main(["inspect", str(store[fmt])]) == 0
     out = capsys.readouterr().out
     for text in (f"tiny-{fmt}", "handler_entry.py", "model/model.safetensors", "model-config.yaml",
-                 "continuous", "max_length", "512", "LlamaForCausalLM", "F32", "runtime/ ("):
+                 "continuous", "max_length", "2048", "LlamaForCausalLM", "F32", "runtime/ ("):
         assert text in out, text
     # a torch archive: no Neuron settings and no compile-cache section
     assert "tp_degree" not in out and "Neuron compile cache" not in out

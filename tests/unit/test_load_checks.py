@@ -145,10 +145,10 @@ CASES = [
     Case("config.json not JSON", "config.json: not valid JSON", garble("config.json")),
     Case("generation_config.json not JSON", "generation_config.json: not valid JSON",
          garble("generation_config.json")),
-    Case("max_length over positions", "exceeds the checkpoint's max_position_embeddings 512",
-         handler={"max_length": 1024}),
-    Case("prefill bucket over max_length", "handler.neuron.context_length_estimate: [1024]",
-         handler={"backend": "neuron", "neuron": {"context_length_estimate": [1024]}}),
+    Case("max_length over positions", "exceeds the checkpoint's max_position_embeddings 2048",
+         handler={"max_length": 4096}),
+    Case("prefill bucket over max_length", "handler.neuron.context_length_estimate: [4096]",
+         handler={"backend": "neuron", "neuron": {"context_length_estimate": [4096]}}),
     Case("no tokenizer", "no tokenizer files", no_tokenizer, worker_refused="tokenizer"),
     Case("as built", None),
     Case("sharded", None, shard),
@@ -299,12 +299,12 @@ def test_validate_checkpoint_refuses_what_package_refuses(tiny_checkpoint: Path,
 def test_max_length_over_positions_for_every_backend(backend: str, tiny_checkpoint: Path,
                                                      tmp_path: Path, capsys) -> None:
     config, ckpt = str(write_config(tmp_path / "c.yaml", {"backend": backend,
-                                                         "max_length": 1024})), str(tiny_checkpoint)
+                                                         "max_length": 4096})), str(tiny_checkpoint)
     for argv in (["package", "--config", config, "--checkpoint", ckpt, "--name", "t", "--out",
                   str(tmp_path / "store")], ["validate", config, "--checkpoint", ckpt]):
         code, _, err = run(capsys, *argv)
-        refused_in_one_line(code, err, "handler.max_length: 1024 exceeds the checkpoint's "
-                                       "max_position_embeddings 512")
+        refused_in_one_line(code, err, "handler.max_length: 4096 exceeds the checkpoint's "
+                                       "max_position_embeddings 2048")
 
 
 def test_the_synthetic_device_has_no_positions_to_outgrow(tiny_checkpoint: Path,
