@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -30,6 +31,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
+from pathlib import Path
 from typing import NoReturn
 
 from handlers.engine.core import Engine
@@ -56,6 +58,10 @@ logger = logging.getLogger(__name__)
 
 #: how long the last words may take to write: a frontend that reads nothing gets no more
 SAY_TIMEOUT_S = 2.0
+#: a worker stopped (SIGSTOP) this long while it has requests is killed, so that this
+#: process answers them (watch_worker); polled every WORKER_CHECK_S
+WORKER_STOPPED_S = 2.0
+WORKER_CHECK_S = 0.25
 
 
 class Farewell:
@@ -93,6 +99,10 @@ class Farewell:
         with self._lock:
             if self._sock is not None:
                 self._words[words.request_id] = words
+
+    def holds_requests(self) -> bool:
+        """Armed, with requests it would answer for: a stopped worker is worth killing."""
+        return self._sock is not None and bool(self._words)
 
     def forget(self, request_id: str) -> None:
         with self._lock:
@@ -214,7 +224,49 @@ def main(conn: Connection, spec: EngineSpec) -> None:
     conn.send(Ready(model_limits(engine.backend)))
     threading.Thread(target=heartbeat, args=(engine, outbox), name="inf2serve-heartbeat",
                      daemon=True).start()
+    threading.Thread(target=watch_worker, args=(outbox.farewell, os.getppid()),
+                     name="inf2serve-worker-watch", daemon=True).start()
     serve(conn, engine, tokenizer, outbox)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, D, T...), None when there is no such
+    process (or no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split(" ", 1)[0]  # the name may hold spaces
+
+
+def watch_worker(farewell: Farewell, worker_pid: int) -> None:
+    """Kill the TorchServe worker when it is stopped (SIGSTOP: state T) for WORKER_STOPPED_S
+    while this process would answer for its requests; the worker's death then takes the
+    usual path (the pipe closes, `Farewell.say`), so its requests end with an error instead
+    of hanging. Its own thread, reading /proc only: the step and heartbeat threads block
+    once a stopped worker's pipe is full. A worker that is busy or idle is never T; one that
+    is stopped while idle is left alone (someone may be debugging it). A worker that hangs
+    while running (a deadlock) is not caught here."""
+    stopped_since: float | None = None
+    while True:
+        time.sleep(WORKER_CHECK_S)
+        state = process_state(worker_pid)
+        if state is None:
+            return  # gone: the pipe's end tells serve()
+        if state != "T" or not farewell.holds_requests():
+            stopped_since = None
+            continue
+        now = time.monotonic()
+        stopped_since = stopped_since or now
+        if now - stopped_since >= WORKER_STOPPED_S:
+            logger.error("engine process %d: the TorchServe worker %d has been stopped for "
+                         "%.1fs with requests in flight; killing it so that they are "
+                         "answered here", os.getpid(), worker_pid, now - stopped_since)
+            try:
+                os.kill(worker_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
 
 
 def heartbeat(engine: Engine, outbox: Outbox) -> None:

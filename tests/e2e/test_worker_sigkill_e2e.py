@@ -7,7 +7,9 @@ stream, a 500 for an answer not yet started), then closes it, and TorchServe res
 the worker. Four requests run on the Neuron fake -- a native ndjson stream, two OpenAI SSE
 streams (chat, completions) and a native non-streamed one -- when the *worker* (the engine
 process's parent) is killed: each must end with its error within 5 s, once, and the next
-request must succeed on a new worker whose model loads from the compile cache.
+request must succeed on a new worker whose model loads from the compile cache. A worker
+that is stopped instead (SIGSTOP: it neither dies nor reads) is killed by the engine
+process after 2 s (handlers/engine/process.py watch_worker), and the same follows.
 """
 
 from __future__ import annotations
@@ -32,16 +34,18 @@ from tests.e2e.test_neuron_e2e import _env, _neuron_spec
 pytestmark = pytest.mark.e2e
 
 
-def test_a_killed_worker_process_ends_every_request_and_comes_back_from_the_cache(
-        tiny_checkpoint, tmp_path_factory) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_a_killed_or_stopped_worker_ends_every_request_and_comes_back_from_the_cache(
+        sig, tiny_checkpoint, tmp_path_factory) -> None:
     root = tmp_path_factory.mktemp("worker-sigkill")
     name = "tiny-neuron-worker-kill"
+    worker = None
     store = build_store(root, tiny_checkpoint, [_neuron_spec(name, root)])
     with running_server(store, root / "run", [name], env=_env(root)) as server:
         try:
             engine, loaded = engine_process(root)  # the process holding the model...
             worker = engine.parent()  # ...and the TorchServe worker, its parent
-            outcomes, waited = signal_mid_stream(server, name, worker.pid, signal.SIGKILL)
+            outcomes, waited = signal_mid_stream(server, name, worker.pid, sig)
 
             streamed = assert_each_ended_once_with_an_error(outcomes, waited,
                                                             "worker process died")
@@ -51,6 +55,11 @@ def test_a_killed_worker_process_ends_every_request_and_comes_back_from_the_cach
             assert_prefixes_of_greedy_answers(server, name, streamed)  # the next requests
             reloaded = assert_reloaded_from_cache(root, loaded, engine.pid)
             assert psutil.Process(reloaded["pid"]).parent().pid != worker.pid
+            if sig == signal.SIGSTOP:
+                assert "has been stopped for" in logs(server.run_dir)  # killed by its engine
         except (AssertionError, httpx.HTTPError):
             print(logs(server.run_dir))
             raise
+        finally:
+            if worker is not None and worker.is_running():  # never leave a stopped process
+                worker.kill()
