@@ -83,7 +83,7 @@ def served_base_urls(run_dir: Path) -> list[str]:
                         f"start it again with `inf2serve serve --run-dir {run_dir} ...`")
     if info.get("openai_url"):
         return [str(info["openai_url"])]
-    return [f"{server.inference_url}/predictions/{name}/{serve._model_version(server, name)}/v1"
+    return [f"{server.inference_url}/predictions/{name}/{serve.model_version(server, name)}/v1"
             for name in server.models]
 
 

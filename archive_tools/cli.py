@@ -46,7 +46,7 @@ COMMAND_MODULES = (
     "archive_tools.package",
     "archive_tools.compile_cmd",
     "archive_tools.inspect_cmd",
-    "archive_tools.serve",
+    "archive_tools.serve_cmd",
     "archive_tools.export",
     "archive_tools.validate_cmd",
     "archive_tools.cache_cmd",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from archive_tools import serve
+from archive_tools import serve, serve_cmd
 from archive_tools.cli import main
 from archive_tools.jvm_options import FrontendMemory
 
@@ -13,9 +13,9 @@ from archive_tools.jvm_options import FrontendMemory
 def test_describe_lists_addresses_tokens_logs_and_stop(tmp_path: Path, monkeypatch) -> None:
     server = serve.Server(tmp_path, "http://127.0.0.1:1001", "http://127.0.0.1:1002",
                           "http://127.0.0.1:1003", "tok-inf", "tok-mgmt", 1)
-    monkeypatch.setattr(serve, "_model_version", lambda s, m: "2.5")
+    monkeypatch.setattr(serve, "model_version", lambda s, m: "2.5")
     monkeypatch.setattr(serve.shutil, "which", lambda name: None)  # inf2serve not on PATH
-    text = serve.describe(server, "tiny", ".serve")
+    text = serve_cmd.describe(server, "tiny", ".serve")
     for want in ("http://127.0.0.1:1001/predictions/tiny",
                  "http://127.0.0.1:1001/predictions/tiny/2.5/v1",  # OpenAI base_url
                  "management  http://127.0.0.1:1002", "http://127.0.0.1:1003/metrics",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from archive_tools import serve, ts_logs
+from archive_tools import serve, serve_cmd, ts_logs
 
 
 class FakeResponse:
@@ -64,8 +64,8 @@ def test_no_progress_lines_before_the_interval(tmp_path: Path, monkeypatch) -> N
 
 
 def test_describe_names_every_model_with_its_urls(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(serve, "_model_version", lambda s, m: {"a": "1.0", "b": "2.0"}[m])
-    text = serve.describe(_server(tmp_path, ("a", "b")), ("a", "b"), ".serve")
+    monkeypatch.setattr(serve, "model_version", lambda s, m: {"a": "1.0", "b": "2.0"}[m])
+    text = serve_cmd.describe(_server(tmp_path, ("a", "b")), ("a", "b"), ".serve")
     assert "serving 2 models:" in text.splitlines()[0]
     for name, version in (("a", "1.0"), ("b", "2.0")):
         assert f"\n  {name}\n" in text
