@@ -36,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from handlers.api.openai_framing import error_object as error
+from handlers.api.request import brief
 from handlers.errors import Inf2ServeError
 
 log = logging.getLogger("inf2serve.router")
@@ -60,13 +62,6 @@ def auth_refusal(status: int, body: bytes) -> dict[str, Any] | None:
         return error(401, "the token was refused (wrong or expired); get a fresh one with "
                      "`inf2serve token`")
     return None
-
-
-def error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape, as the models' own endpoints answer."""
-    kind = {401: "authentication_error", 404: "invalid_request_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 @dataclass(frozen=True)
@@ -99,8 +94,7 @@ def pick_model(body: bytes, models: dict[str, str]) -> tuple[str | None, dict | 
         return None, error(400, f"name the model; served: {', '.join(sorted(models))}",
                            "model")
     if name not in models:
-        shown = name if isinstance(name, str) and len(name) <= 60 else "that model"
-        return None, error(404, f"the model {shown!r} does not exist; served: "
+        return None, error(404, f"the model {brief(name)} does not exist; served: "
                            f"{', '.join(sorted(models))} (GET /v1/models lists them)", "model")
     return name, None
 

@@ -9,7 +9,6 @@ is tokenized without a second BOS when the template already wrote one.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -125,21 +124,21 @@ def takes_tools(tokenizer: Any, setting: str = "") -> bool:
         template = template_for(tokenizer, setting)
     except RequestError:
         return False
-    return _takes_tools(tokenizer, template, PROBE_NAME, json.dumps(PROBE_TOOLS))
+    return _takes_tools(tokenizer, template)
 
 
 @functools.lru_cache(maxsize=16)
-def _takes_tools(tokenizer: Any, template: str, name: str, tools: str) -> bool:
+def _takes_tools(tokenizer: Any, template: str) -> bool:
+    """Once per tokenizer and template: a render is ~1 ms, too much for every request."""
     from jinja2.exceptions import TemplateError
 
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
                                              chat_template=template, tokenize=False,
-                                             add_generation_prompt=True,
-                                             tools=json.loads(tools))
+                                             add_generation_prompt=True, tools=PROBE_TOOLS)
     except (TemplateError, TypeError, ValueError):
         return False
-    return name in (text if isinstance(text, str) else str(text))
+    return PROBE_NAME in (text if isinstance(text, str) else str(text))
 
 
 def encode_chat(tokenizer: Any, text: str) -> list[int]:

@@ -13,8 +13,9 @@ from typing import Protocol
 
 from handlers.engine.scheduler import FinishEvent
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 499: "cancelled",
-               503: "overloaded_error", 504: "timeout"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 499: "cancelled", 503: "overloaded_error",
+               504: "timeout"}
 
 
 def usage(event: FinishEvent, details: bool) -> dict:

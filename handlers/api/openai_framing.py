@@ -209,27 +209,27 @@ class OpenAISseFramer(OpenAIErrorFramer):
             return ""
         return self._event([self._choice(text, None)])
 
-    def _calls(self) -> str:
+    def _calls(self) -> tuple[str, bool]:
         """The held answer as tool-call deltas (each call whole in one delta, which clients
-        accumulate as they do partial ones), or as content when it did not parse."""
+        accumulate as they do partial ones), or as content when it did not parse; and
+        whether it was a call."""
         held, self.held = self.held, ""
         calls = parse_tool_calls(held)
         if not calls:
-            return self._event([self._choice(held, None)]) if held else ""
+            return (self._event([self._choice(held, None)]) if held else ""), False
         delta: dict[str, Any] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
         if not self.role_sent:
             delta = {"role": "assistant", "content": None, **delta}
             self.role_sent = True
         return self._event([{"index": 0, "delta": delta, "logprobs": None,
-                             "finish_reason": None}])
+                             "finish_reason": None}]), True
 
     def final(self, event: FinishEvent) -> str:
         self.tokens = event.completion_tokens
         reason = event.reason
         out = ""
         if self.held or self.calling:
-            called = bool(parse_tool_calls(self.held))
-            out = self._calls()
+            out, called = self._calls()
             reason = "tool_calls" if called else reason
         out += self._event([self._choice("", reason)])
         if self.meta.include_usage:

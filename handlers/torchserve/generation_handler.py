@@ -20,6 +20,7 @@ from typing import Any
 
 from handlers.api.framing import Framer, error_body, native_framer
 from handlers.api.native import Immediate, NativeApi
+from handlers.api.request import decode_body
 from handlers.api.routes import select_api
 from handlers.backends.base import Backend
 from handlers.checkpoint_checks import load_worker_config
@@ -39,11 +40,11 @@ logger = logging.getLogger(__name__)
 TS_STREAM_NEXT = "ts_stream_next"
 #: what `send_intermediate_predict_response` says in a message's header
 INTERMEDIATE = "Intermediate"
-#: what a request hears when the TorchServe worker process dies under it
 #: the OpenAI router (archive_tools/openai_router.py) names each request it forwards with
 #: this header, and POSTs {"client_id"} to CANCEL_PATH when that request's client leaves
 CLIENT_ID_HEADER = "x-inf2serve-client-id"
 CANCEL_PATH = "inf2serve/cancel"
+#: what a request hears when the TorchServe worker process dies under it
 WORKER_DIED = ("the TorchServe worker process died; it is being restarted, retry the request "
                "once it is back (seconds, or the model's load time)")
 
@@ -309,12 +310,13 @@ class GenerationHandler:
     def _cancel(self, writer: StreamWriter, payload: Any) -> str:
         """The router's word that a client left: {"client_id"} -> {"cancelled": bool}."""
         try:
-            body = json.loads(payload) if isinstance(payload, (bytes, str)) else payload
-            client_id = body["client_id"]
-        except (ValueError, TypeError, KeyError):
-            return writer.fail(400, json.dumps(error_body(400, "expected {\"client_id\": ...}",
-                                                          "client_id")))
-        cancelled = self.service.cancel_client(str(client_id))
+            client_id = decode_body(payload, "application/json").get("client_id")
+            if not isinstance(client_id, str):
+                raise RequestError("client_id", "expected {\"client_id\": \"...\"}")
+        except RequestError as exc:
+            return writer.fail(exc.status, json.dumps(error_body(exc.status, exc.message,
+                                                                 exc.field)))
+        cancelled = self.service.cancel_client(client_id)
         writer.context.set_response_content_type(writer.idx, "application/json")
         return writer.finish(json.dumps({"cancelled": cancelled}))
 
@@ -421,7 +423,4 @@ def _content_type(context: Any, idx: int) -> str:
     for key in ("data", "body"):
         if isinstance(props.get(key), dict):
             return str(props[key].get("content-type", ""))
-    for key, value in props.items():
-        if isinstance(key, str) and key.lower() == "content-type":
-            return str(value)
-    return ""
+    return _header(context, idx, "content-type")
