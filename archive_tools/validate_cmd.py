@@ -38,24 +38,11 @@ from handlers.backends import capabilities_for
 from handlers.backends.capabilities import check_defaults
 from handlers.config import ModelConfig
 from handlers.errors import ConfigError
+from handlers.families import ARCHITECTURES as KNOWN_CONFIGS
 from neuron_cache.key import context_buckets
 
 __all__ = ["ARCHITECTURES", "INSTANCES", "Arch", "Report", "validate"]
 
-ARCHITECTURES = {  # published Llama-2 configs (config.json of the meta-llama checkpoints)
-    "llama-2-7b": Arch(32, 4096, 32, 32, 32000, 11008, 4096),
-    "llama-2-13b": Arch(40, 5120, 40, 40, 32000, 13824, 4096),
-    "llama-2-70b": Arch(80, 8192, 64, 8, 32000, 28672, 4096),
-    # draft models for speculation (handler.neuron.speculation.draft_architecture):
-    # TinyLlama/TinyLlama-1.1B (Llama-2's tokenizer) and meta-llama/Llama-3.2-1B config.json
-    "tinyllama-1.1b": Arch(22, 2048, 32, 4, 32000, 5632, 2048),
-    "llama-3.2-1b": Arch(16, 2048, 32, 8, 128256, 8192, 131072, "bfloat16"),
-    # meta-llama/Meta-Llama-3-8B config.json (rope_theta 500000, no rope scaling)
-    "llama-3-8b": Arch(32, 4096, 32, 8, 128256, 14336, 8192, "bfloat16"),
-    # meta-llama/Llama-3.1-8B and -70B config.json (rope_theta 500000, llama3 rope scaling)
-    "llama-3.1-8b": Arch(32, 4096, 32, 8, 128256, 14336, 131072, "bfloat16"),
-    "llama-3.1-70b": Arch(80, 8192, 64, 8, 128256, 28672, 131072, "bfloat16"),
-}
 CORE_MEMORY = 16 * 2**30  # bytes of device memory per NeuronCore (32 GiB per chip)
 HEADROOM = 0.15  # runtime, scratchpad, collectives and I/O buffers
 GB = 1e9
@@ -91,6 +78,11 @@ def arch_from_config_json(data: dict) -> Arch:
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"config.json: missing or invalid {exc}; expected a Llama-style config "
                           "(num_hidden_layers, hidden_size, num_attention_heads, ...)") from exc
+
+
+#: the architectures `validate` knows by name (handlers/families.py holds their config.json
+#: fields, which the backends' family rules read as they read a checkpoint's)
+ARCHITECTURES = {name: arch_from_config_json(c) for name, c in KNOWN_CONFIGS.items()}
 
 
 def resolve_arch(cfg: ModelConfig, checkpoint: Path | None, model_json: Path | None) -> Arch | None:
