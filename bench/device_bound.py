@@ -37,7 +37,7 @@ from archive_tools.bench_stats import Scenario, ScenarioResult, host_efficiency,
 from archive_tools.loadgen import GenParams, run_scenario
 from bench.warmup import Warmup, settle_jit
 from handlers.backends.synthetic_backend import StepTimer, tighten_timer_slack
-from handlers.backends.synthetic_timing import PRESETS as SYNTHETIC_PRESETS
+from handlers.presets.synthetic_timing import PRESETS as SYNTHETIC_PRESETS
 from tests.e2e.harness import ArchiveSpec, build_store, running_server
 
 STEPS_MS = (10.0, 5.0)
@@ -495,7 +495,7 @@ def _preset_table(dev: DeviceBound) -> list[str]:
     """The published-figure presets, bf16 beside int8, at their compiled batch of 8."""
     lines = [f"Published Inf2 step times replayed (`handler.synthetic.preset`, compiled batch "
              f"{PRESET_BATCH}, the preset's prefill times too): bf16 Llama-2-7B beside int8 "
-             "Llama-3-8B (handlers/backends/synthetic_timing.py cites the rows). Median of "
+             "Llama-3-8B (handlers/presets/synthetic_timing.py cites the rows). Median of "
              f"{dev.rounds} rounds: output tokens/s, the median gap between a stream's tokens, "
              "and host efficiency against the preset's batch-8 step (prefill included, so "
              "below 1 even for a perfect host).", "",

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from handlers.api.chat_template import NO_TEMPLATE_FIX
 from handlers.config import HandlerConfig, ModelConfig, parse_config
 from handlers.errors import ConfigError
 from handlers.generation_defaults import apply_generation_defaults
+from handlers.presets.chat_templates import NO_TEMPLATE_FIX
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from handlers.api.chat_template import PRESETS as CHAT_PRESETS
-from handlers.api.chat_template import is_inline
-from handlers.backends.synthetic_timing import PRESETS, resolve_timing
 from handlers.errors import ConfigError
+from handlers.presets.chat_templates import PRESETS as CHAT_PRESETS
+from handlers.presets.chat_templates import is_inline
+from handlers.presets.synthetic_timing import PRESETS, resolve_timing
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256  # per stop string: each is searched for at every step
@@ -154,7 +154,7 @@ class NeuronSettings:
 @dataclass(frozen=True)
 class SyntheticSettings:
     """The synthetic device (handlers/backends/synthetic_backend.py); only read when backend
-    is synthetic. Unset keys come from the preset (handlers/backends/synthetic_timing.py)."""
+    is synthetic. Unset keys come from the preset (handlers/presets/synthetic_timing.py)."""
 
     preset: str = _opt("", choices=("", *PRESETS), doc="published Inf2 decode figures")
     decode_step_ms: float | None = _opt(None, lo=0.0, doc="a decode call at batch 1; required "

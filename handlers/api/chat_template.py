@@ -2,7 +2,7 @@
 
 Which template: `handler.chat_template` when set (a preset name, inline Jinja, or a
 file in the checkpoint directory, which is what gets packaged), else the
-tokenizer's own. Presets are data looked up by exact name. The rendered prompt
+tokenizer's own. Presets are data looked up by exact name (handlers/presets/). The rendered prompt
 is tokenized without a second BOS when the template already wrote one.
 """
 
@@ -13,47 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from handlers.errors import RequestError
-
-# Llama-2 chat: [INST] turns, optional <<SYS>> block folded into the first user turn,
-# roles must alternate user/assistant; each user turn opens with BOS, each answer ends with EOS.
-LLAMA2_CHAT = (
-    "{% if messages and messages[0]['role'] == 'system' %}"
-    "{% set system = messages[0]['content'] %}{% set turns = messages[1:] %}"
-    "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
-    "{% for message in turns %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('roles must alternate user/assistant/user/... after an optional "
-    "system message') }}{% endif %}"
-    "{% if message['role'] == 'user' %}"
-    "{% if loop.first and system %}"
-    "{{ bos_token + '[INST] <<SYS>>\\n' + system.strip() + '\\n<</SYS>>\\n\\n' "
-    "+ message['content'].strip() + ' [/INST]' }}"
-    "{% else %}{{ bos_token + '[INST] ' + message['content'].strip() + ' [/INST]' }}{% endif %}"
-    "{% else %}{{ ' ' + message['content'].strip() + ' ' + eos_token }}{% endif %}"
-    "{% endfor %}"
-)
-
-# Llama-3 / 3.1 Instruct chat: each message as a header block ended by <|eot_id|>, BOS once
-# at the start, and an open assistant header as the generation prompt. Tools are not
-# rendered here (a checkpoint's own template, left empty in the config, does that).
-LLAMA3_CHAT = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' "
-    "+ message['content'] | trim + '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}"
-)
-
-PRESETS: dict[str, str] = {"llama-2": LLAMA2_CHAT, "llama-3": LLAMA3_CHAT}
-#: the remedy for a model without a chat template: packaging warns with it, a chat request
-#: is answered 400 with it (a base model needs no template; completions still work)
-NO_TEMPLATE_FIX = f"set handler.chat_template ({', '.join(PRESETS)}) or use /v1/completions"
-
-
-def is_inline(setting: str) -> bool:
-    return "{{" in setting or "{%" in setting
+from handlers.presets.chat_templates import LLAMA2_CHAT as LLAMA2_CHAT  # re-exported
+from handlers.presets.chat_templates import LLAMA3_CHAT as LLAMA3_CHAT  # re-exported
+from handlers.presets.chat_templates import NO_TEMPLATE_FIX, PRESETS, is_inline
 
 
 @functools.lru_cache(maxsize=16)

@@ -3,7 +3,7 @@
 For measuring the serving path's host efficiency (served tokens/s against what a device
 of a given step time allows) and for developing without Inferentia2: the engine,
 scheduler, engine process and TorchServe path are the real ones; only the model call is
-replaced by a sleep of the configured device time (handlers/backends/synthetic_timing.py).
+replaced by a sleep of the configured device time (handlers/presets/synthetic_timing.py).
 Never a hardware result.
 
 - A call ends at a deadline taken at its start, never before, so the backend's own host
@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from handlers.backends.base import Backend, Capabilities, Rows, SamplingParams, read_eos_ids
-from handlers.backends.synthetic_timing import DeviceTiming, resolve_timing
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, RequestError
+from handlers.presets.synthetic_timing import DeviceTiming, resolve_timing
 
 logger = logging.getLogger(__name__)
 _MASK = (1 << 64) - 1

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ("neuron_cache", "handlers", "archive_tools")
 #: (importer package, imported package) pairs that point upwards
@@ -102,15 +104,19 @@ def upward(edges: dict[str, set[str]]) -> list[str]:
 
 
 #: the runtime's concerns, lowest first: each imports only those before it (and the shared
-#: handlers.config / handlers.errors at the top of the tree)
+#: modules at the top of handlers/: config, errors, presets)
 CONCERNS = ("handlers.backends", "handlers.engine", "handlers.api", "handlers.torchserve")
-#: config validates names that live with their concern: leaf modules that import nothing
-#: of the runtime but errors
-CONFIG_READS = {"handlers.backends.synthetic_timing", "handlers.api.chat_template"}
+#: all that handlers.config may import of the runtime: the named presets it validates
+#: (handlers/presets: data beneath config) and the errors it raises
+BELOW_CONFIG = ("handlers.presets", "handlers.errors")
 
 
 def concern(module: str) -> str | None:
     return next((c for c in CONCERNS if module == c or module.startswith(c + ".")), None)
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
 
 
 def against_the_concerns(edges: dict[str, set[str]]) -> list[str]:
@@ -120,19 +126,33 @@ def against_the_concerns(edges: dict[str, set[str]]) -> list[str]:
             ca, cb = concern(a), concern(b)
             if ca and cb and CONCERNS.index(cb) > CONCERNS.index(ca):
                 bad.append(f"{a} -> {b}")
-            if a == "handlers.config" and cb and b not in CONFIG_READS:
-                bad.append(f"{a} -> {b}")
+            below = _within(a, ("handlers.config", *BELOW_CONFIG))
+            if below and b.startswith("handlers") and not _within(b, BELOW_CONFIG):
+                bad.append(f"{a} -> {b}")  # config (and what it reads) sits below every concern
     return sorted(bad)
 
 
 def test_the_runtime_folders_are_layers() -> None:
     """handlers/backends runs the model, handlers/engine schedules it, handlers/api turns
     HTTP into requests, handlers/torchserve adapts all of it to TorchServe: the folder tree
-    is the architecture, and no arrow points up it."""
+    is the architecture, and no arrow points up it. handlers.config, which every concern
+    reads, reads none of them: the presets it checks names against live beneath it."""
     edges = graph()
     assert against_the_concerns(edges) == []
-    for leaf in CONFIG_READS:
-        assert {concern(t) for t in edges[leaf]} == {None}, leaf
+    assert {t for t in edges["handlers.config"] if t.startswith("handlers")} <= {
+        "handlers.errors", "handlers.presets.chat_templates", "handlers.presets.synthetic_timing"}
+
+
+@pytest.mark.parametrize("target", ["handlers.api.chat_template",
+                                    "handlers.backends.synthetic_backend",
+                                    "handlers.engine.core", "handlers.checkpoint_checks"])
+def test_config_importing_a_concern_is_caught(target: str) -> None:
+    """The arrows config had (api/chat_template's presets, backends/synthetic_timing) are
+    refused if they come back, and so is a preset module importing a concern."""
+    edges = graph()
+    for importer in ("handlers.config", "handlers.presets.chat_templates"):
+        changed = {**edges, importer: edges[importer] | {target}}
+        assert against_the_concerns(changed) == [f"{importer} -> {target}"]
 
 
 def test_an_arrow_up_the_runtime_folders_is_caught() -> None:

@@ -14,9 +14,9 @@ import torch
 from handlers.backends import load_backend
 from handlers.backends.base import SamplingParams, SlotError
 from handlers.backends.synthetic_backend import StepTimer, SyntheticBackend
-from handlers.backends.synthetic_timing import PRESETS, resolve_timing
 from handlers.config import parse_config
 from handlers.errors import ConfigError, RequestError
+from handlers.presets.synthetic_timing import PRESETS, resolve_timing
 from tests.unit.fakes import one_each
 
 GREEDY = SamplingParams()
