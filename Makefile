@@ -55,7 +55,7 @@ PY310_TESTS := tests/unit/test_py310_runtime.py tests/unit/test_scheduler.py \
 	tests/unit/test_engine.py tests/unit/test_engine_client.py tests/unit/test_request.py \
 	tests/unit/test_capabilities.py tests/unit/test_engine_messages.py
 
-.PHONY: install install-browser overlays demo stop test test-main test-neuron-stack test-readme \
+.PHONY: install install-browser install-prometheus install-test-tools overlays demo stop test test-main test-neuron-stack test-readme \
 	test-py310 lint bench bench-device clean
 
 install: $(STAMP)
@@ -71,13 +71,32 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[cpu,dev,bench,chat]"
 	@touch $@
 
-# Debian's chromium and its chromedriver (one build, so they always match), which the chat
-# page's browser test drives (tests/e2e/test_chat_page_e2e.py); nothing when both are there.
+# Debian packages the tests drive, each installed only when missing, with one apt-get update
+# for whatever is missing: chromium and its chromedriver (one build, so they always match),
+# which the chat page's browser test drives (tests/e2e/test_chat_page_e2e.py); prometheus,
+# promtool included and its recommended node exporter left out, which checks and unit-tests
+# the alert rules (tests/unit/test_monitoring_rules.py) and scrapes a real server
+# (tests/e2e/test_metrics_e2e.py).
+BROWSER_PKGS := /usr/bin/chromium:chromium /usr/bin/chromedriver:chromium-driver
+PROMETHEUS_PKGS := /usr/bin/prometheus:prometheus /usr/bin/promtool:prometheus
+# $(call apt_install,PATH:PACKAGE ... (with recommends),PATH:PACKAGE ... (without))
+define apt_install
+	@missing() { for pair in "$$@"; do test -x $${pair%%:*} || echo $${pair#*:}; done | sort -u | xargs; }; \
+	sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); apt="$$sudo apt-get install -y -q -o DPkg::Lock::Timeout=600"; \
+	with=$$(missing $(1)); without=$$(missing $(2)); \
+	test -z "$$with$$without" || { echo "installing Debian's $$with $$without (what the tests drive)"; \
+	  $$sudo apt-get update -q && \
+	  { test -z "$$with" || $$apt $$with; } && { test -z "$$without" || $$apt --no-install-recommends $$without; }; }
+endef
+
 install-browser:
-	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { \
-	  echo "installing Debian's chromium and chromedriver (the chat page test's browser)"; \
-	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -q && \
-	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q chromium chromium-driver; }
+	$(call apt_install,$(BROWSER_PKGS),)
+
+install-prometheus:
+	$(call apt_install,,$(PROMETHEUS_PKGS))
+
+install-test-tools:
+	$(call apt_install,$(BROWSER_PKGS),$(PROMETHEUS_PKGS))
 
 overlays: $(OVERLAY_STAMPS)
 
@@ -109,7 +128,7 @@ stop:
 test: test-main test-neuron-stack test-py310 test-readme
 
 # the whole suite on the tested pins; checkpoint and archive checks also load under TF4_ALL
-test-main: install install-browser overlays
+test-main: install install-test-tools overlays
 	INF2SERVE_TF4_OVERLAYS=$(TF4_OVERLAYS) $(PY) -m pytest tests -q $(PYTEST_PARALLEL)
 
 test-neuron-stack: install overlays
@@ -133,7 +152,7 @@ test-py310: $(STAMP310)
 
 # every command block of README.md, then of docs/*.md (GUIDES in .ci/readme_commands.py),
 # in order, in a fresh copy of the repository (this venv)
-test-readme: install
+test-readme: install install-prometheus
 	$(PY) .ci/readme_commands.py --venv $(VENV)
 
 lint: install
