@@ -177,7 +177,8 @@ def export(archive: Path, out: Path, target: str, *, force: bool = False, link: 
             serve.chmod(0o755)
         elif target == "kubernetes":
             write_manifests(built, name, archive.name, cfg, plan, image=k8s.image_for(name),
-                            replicas=k8s.replicas, namespace=k8s.namespace)
+                            replicas=k8s.replicas, namespace=k8s.namespace,
+                            monitoring=k8s.monitoring)
         else:
             (built / "config").mkdir()
             (built / "config" / "config.properties").write_text(
@@ -191,13 +192,13 @@ def export(archive: Path, out: Path, target: str, *, force: bool = False, link: 
 
 def _run(args: argparse.Namespace) -> int:
     if args.target != "kubernetes" and (args.image or args.replicas or args.instance
-                                        or args.namespace):
-        raise Inf2ServeError("--image, --replicas, --instance and --namespace are for "
-                             "--target kubernetes")
+                                        or args.namespace or args.monitoring):
+        raise Inf2ServeError("--image, --replicas, --instance, --namespace and --monitoring "
+                             "are for --target kubernetes")
     if args.replicas is not None and args.replicas < 1:
         raise Inf2ServeError(f"--replicas {args.replicas}: must be 1 or more")
     k8s = K8sOptions(args.image or "", args.replicas or 1, args.instance,
-                     args.namespace or "default")
+                     args.namespace or "default", args.monitoring)
     out, steps = export(Path(args.archive), Path(args.out), args.target, force=args.force,
                         link=args.link, show_progress=True, k8s=k8s,
                         frontend_heap_mib=args.frontend_heap_mb)
@@ -235,4 +236,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--replicas", type=int, help="replicas, and the HPA's minimum (default 1)")
     k.add_argument("--instance", help="pin pods to one Inf2 size (default: any that fits)")
     k.add_argument("--namespace", help="namespace of every object (default: default)")
+    k.add_argument("--monitoring", action="store_true",
+                   help="add a PodMonitor for the server (Prometheus operator) and, for a "
+                   "Neuron model, AWS's neuron-monitor DaemonSet with its PodMonitor")
     p.set_defaults(func=_run)

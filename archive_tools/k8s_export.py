@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from archive_tools.jvm_options import FrontendMemory
+from archive_tools.k8s_monitoring import monitoring_objects
 from archive_tools.k8s_plan import PodPlan
 
 VERSION = "0.1.0"  # pyproject's version (a test checks): the base image tag carries it
@@ -50,6 +51,9 @@ class K8sOptions:
     replicas: int = 1
     instance: str | None = None  # None: any Inf2 size that fits
     namespace: str = "default"
+    #: a PodMonitor for the server, and for a Neuron model neuron-monitor's DaemonSet and
+    #: PodMonitor (archive_tools/k8s_monitoring.py)
+    monitoring: bool = False
 
     def image_for(self, name: str) -> str:
         return self.image or f"{name}:{VERSION}"
@@ -250,7 +254,8 @@ def model_dockerfile(base: str) -> str:
 
 
 def write_manifests(out: Path, name: str, archive: str, cfg: dict, plan: PodPlan, *,
-                    image: str, replicas: int, namespace: str) -> list[str]:
+                    image: str, replicas: int, namespace: str,
+                    monitoring: bool = False) -> list[str]:
     """Write every object and kustomization.yaml into `out`; returns the resource files."""
     props = config_properties(name, archive, cfg, plan.frontend)
     objects = {
@@ -260,6 +265,9 @@ def write_manifests(out: Path, name: str, archive: str, cfg: dict, plan: PodPlan
         "pdb.yaml": pdb(name, namespace),
         "hpa.yaml": hpa(name, namespace, replicas, cfg),
     }
+    if monitoring:
+        objects.update(monitoring_objects(name, namespace, "metrics",
+                                          neuron=plan.accelerator == "neuron"))
     if namespace != "default":
         objects = {"namespace.yaml": {"apiVersion": "v1", "kind": "Namespace",
                                       "metadata": {"name": namespace}}, **objects}
@@ -291,10 +299,12 @@ def next_steps_k8s(out: Path, name: str, cfg: dict, plan: PodPlan, opts: K8sOpti
     devices = f"{plan.devices} x {plan.device_resource}" if plan.device_resource else "no devices"
     where = ", ".join(plan.instances) or "any node"
     warned = "".join(f"\n  # warning: {w}" for w in plan.warnings)
+    watched = ("\n  # --monitoring: the PodMonitors need the Prometheus operator; Grafana: "
+               "deploy/grafana/inf2serve.json" if opts.monitoring else "")
     memory = (f"{plan.memory_mi / 1024:.1f} GiB (workers {plan.workers_gib:.1f} GiB: "
               f"{plan.memory_source}, `inf2serve validate`'s estimate; frontend "
               f"{plan.frontend_mi} MiB, heap {plan.frontend.heap_mib} MiB)")
-    return f"""pod: {devices}, {plan.cpu} CPU, memory {memory}, /dev/shm {plan.shm_gib} GiB, \
+    steps = f"""pod: {devices}, {plan.cpu} CPU, memory {memory}, /dev/shm {plan.shm_gib} GiB, \
 nodes: {where}{warned}
 next:
   # the base image, once per toolkit version and profile (from a clone of this repository):
@@ -306,3 +316,4 @@ next:
   # autoscaling on the handler's gauges: helm install prometheus-adapter with
   #   {out}/prometheus-adapter-values.yaml (until then the HPA scales up on CPU alone)
   # the Service is ClusterIP: put your authenticating gateway in front of {name}:{INFERENCE_PORT}"""
+    return steps + watched
