@@ -103,6 +103,41 @@ def _takes_tools(tokenizer: Any, template: str) -> bool:
     return PROBE_NAME in (text if isinstance(text, str) else str(text))
 
 
+#: an assistant turn calling the probe tool, in Hugging Face's shape (arguments an object);
+#: the id is 9 alphanumerics, as Mistral's templates demand of every call id
+PROBE_CALL = {"role": "assistant", "content": "", "tool_calls": [{
+    "id": "inf2probe", "type": "function",
+    "function": {"name": PROBE_NAME, "arguments": {}}}]}
+
+
+def rendered_probe_call(tokenizer: Any, setting: str = "") -> str:
+    """What the chat template writes for an assistant turn that calls the probe tool: the
+    tool-call format the template teaches, read by handlers/api/tool_parsers.parser_for ("" when
+    the template cannot render a call)."""
+    try:
+        template = template_for(tokenizer, setting)
+    except RequestError:
+        return ""
+    return _rendered_probe_call(tokenizer, template)
+
+
+@functools.lru_cache(maxsize=16)
+def _rendered_probe_call(tokenizer: Any, template: str) -> str:
+    """Once per tokenizer and template: the conversation with the call, less the one
+    without it."""
+    from jinja2.exceptions import TemplateError
+
+    ask = [{"role": "user", "content": "hi"}]
+    try:
+        texts = [tokenizer.apply_chat_template(messages, chat_template=template,
+                                               tokenize=False, tools=PROBE_TOOLS)
+                 for messages in (ask, [*ask, PROBE_CALL])]
+    except (TemplateError, TypeError, ValueError, KeyError, AttributeError):
+        return ""
+    before, after = (t if isinstance(t, str) else str(t) for t in texts)
+    return after[len(before):] if after.startswith(before) else after
+
+
 def encode_chat(tokenizer: Any, text: str) -> list[int]:
     """Token ids for a rendered chat prompt, with exactly one BOS at most."""
     bos = getattr(tokenizer, "bos_token", None)

@@ -320,8 +320,9 @@ class ChatCompletionsApi:
                                                        service.limits.capabilities,
                                                        logprobs, echo=False))
         token_text = functools.partial(token_string, service.tokenizer)
-        meta = _meta(body, service, chat=True, token_text=token_text,
-                     tool_calls=tools is not None)
+        reader = tool_calls.call_reader(service.tokenizer, handler.chat_template, tools) \
+            if tools is not None else None
+        meta = _meta(body, service, chat=True, token_text=token_text, tool_calls=reader)
         prompt_ids = encode_chat(service.tokenizer, text)
         request = check_fit(prompt_ids, request, service.limits.max_length, names)
         return Prepared(request, prompt_ids,

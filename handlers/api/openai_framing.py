@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from handlers.api.framing import ERROR_TYPES
-from handlers.api.tool_calls import may_be_tool_call, parse_tool_calls
+from handlers.api.tool_parsers import ToolCallReader
 from handlers.backends.base import TokenLogprob
 from handlers.engine.scheduler import FinishEvent
 
@@ -57,7 +57,8 @@ class ResponseMeta:
     echo_ids: tuple[int, ...] = ()  # its token ids (logprobs with echo)
     hide_generated: bool = False  # echo with max_tokens 0: the prompt alone is the answer
     token_text: Callable[[int], str] = str  # a token id's text in logprobs
-    tool_calls: bool = False  # tools were rendered: read a tool call out of the answer
+    #: tools were rendered: the calls are read out of the answer in the template's format
+    tool_calls: ToolCallReader | None = None
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -138,7 +139,7 @@ class OpenAIJsonFramer(OpenAIErrorFramer):
     def final(self, event: FinishEvent) -> str:
         meta = self.meta
         if meta.chat:
-            calls = parse_tool_calls(event.text) if meta.tool_calls else None
+            calls = meta.tool_calls.calls(event.text) if meta.tool_calls else None
             message: dict[str, Any] = {"role": "assistant", "content": event.text}
             reason = event.reason
             if calls:  # OpenAI: content null beside the calls; vLLM: finish "tool_calls"
@@ -172,9 +173,9 @@ class OpenAISseFramer(OpenAIErrorFramer):
         self.prompt_tokens = prompt_tokens
         self.tokens = 0
         #: with tools, text that may open a tool call is held back until it is decided:
-        #: None undecided, True a tool call (held to the end), False plain content
+        #: True undecided or a call (held to the end), False plain content
         self.held = ""
-        self.calling: bool | None = None if meta.tool_calls else False
+        self.calling = meta.tool_calls is not None
 
     def _event(self, choices: list[dict], event: FinishEvent | None = None) -> str:
         obj = self.meta.head("chat.completion.chunk" if self.meta.chat else "text_completion")
@@ -199,10 +200,10 @@ class OpenAISseFramer(OpenAIErrorFramer):
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def chunk(self, text: str) -> str:
-        if self.calling is not False:
+        if self.calling:
             self.held += text
-            self.calling = may_be_tool_call(self.held)
-            if self.calling is not False:
+            self.calling = self.meta.tool_calls.may_open(self.held)
+            if self.calling:
                 return ""
             text, self.held = self.held, ""
         if not text:
@@ -214,7 +215,7 @@ class OpenAISseFramer(OpenAIErrorFramer):
         accumulate as they do partial ones), or as content when it did not parse; and
         whether it was a call."""
         held, self.held = self.held, ""
-        calls = parse_tool_calls(held)
+        calls = self.meta.tool_calls.calls(held) if self.meta.tool_calls else None
         if not calls:
             return (self._event([self._choice(held, None)]) if held else ""), False
         delta: dict[str, Any] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
@@ -228,7 +229,7 @@ class OpenAISseFramer(OpenAIErrorFramer):
         self.tokens = event.completion_tokens
         reason = event.reason
         out = ""
-        if self.held or self.calling:
+        if self.held:
             out, called = self._calls()
             reason = "tool_calls" if called else reason
         out += self._event([self._choice("", reason)])

@@ -6,11 +6,12 @@ tool definitions into the prompt (Llama 3.1+ writes them as JSON into the first 
 turn), and the model answers with a JSON call. So the server (1) validates the request's
 tools, (2) renders them through the model's own template when that template has a tool
 format (probed once per template: a tool named here must show up in the rendered prompt),
-and (3) parses the answer the way vLLM's `llama3_json` parser does: the text, after an
-optional `<|python_tag|>`, is one or more JSON objects `{"name", "parameters"|"arguments"}`
-separated by `;`; anything else is plain content. There is no constrained decoding here:
-`required` or a named tool asks the model through the prompt, and a model that answers in
-prose anyway gets its prose back with finish_reason "stop".
+and (3) reads the calls back out of the answer in the format the template teaches
+(handlers/api/tool_parsers: one class per format, picked by how the template renders a
+probe call). Anything that is not, whole, calls of the offered tools is the content the
+model wrote, with finish_reason "stop" (or "length") -- never a failed request. There is
+no constrained decoding here: `required` or a named tool asks the model through the
+prompt, and a model that answers in prose anyway gets its prose back.
 
 A template without a tool format answers `auto` and `none` as plain chat (the tools are
 not rendered), as a chat UI that always sends its built-in tools expects; `required` or a
@@ -20,15 +21,13 @@ named tool is a 400 naming `tool_choice`.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from handlers.api.chat_template import rendered_probe_call
 from handlers.api.request import brief
+from handlers.api.tool_parsers import ToolCallReader, parser_for
 from handlers.errors import RequestError
-
-#: the token Llama 3.1 writes before a tool call (vLLM's parser strips it too)
-PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True)
@@ -123,36 +122,7 @@ def chat_message(message: dict[str, Any], where: str) -> dict[str, Any]:
     return {"role": "assistant", "content": message.get("content") or "", "tool_calls": out}
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
-    """OpenAI `tool_calls` from the generated text, or None when it is not a tool call."""
-    body = text.strip()
-    if body.startswith(PYTHON_TAG):
-        body = body[len(PYTHON_TAG):].lstrip()
-    if not body.startswith("{"):
-        return None
-    decoder = json.JSONDecoder()
-    calls, at = [], 0
-    while at < len(body):
-        try:
-            obj, end = decoder.raw_decode(body, at)
-        except ValueError:
-            return None
-        arguments = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-        if not isinstance(obj.get("name"), str) or not isinstance(arguments, dict):
-            return None
-        calls.append({"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": json.dumps(arguments, ensure_ascii=False)}})
-        at = end
-        while at < len(body) and body[at] in " \t\r\n;":
-            at += 1
-    return calls or None
-
-
-def may_be_tool_call(text: str) -> bool | None:
-    """Whether streamed text so far could open a tool call: True, False, or None while only
-    blanks (or a prefix of the python tag) have come."""
-    body = text.lstrip()
-    if not body or PYTHON_TAG.startswith(body):
-        return None
-    return body.startswith(("{", PYTHON_TAG))
+def call_reader(tokenizer: Any, setting: str, tools: list[dict[str, Any]]) -> ToolCallReader:
+    """How the answer's calls are read: the format the chat template teaches (its probe
+    call, rendered once per template), and the tools the prompt showed."""
+    return ToolCallReader.of(parser_for(rendered_probe_call(tokenizer, setting)), tools)

@@ -10,7 +10,9 @@ import pytest
 from handlers.api.chat_template import LLAMA3_CHAT, takes_tools
 from handlers.api.openai import ChatCompletionsApi
 from handlers.api.openai_framing import DONE, OpenAIJsonFramer, OpenAISseFramer, ResponseMeta
-from handlers.api.tool_calls import parse_tool_calls, parse_tools
+from handlers.api.tool_calls import parse_tools
+from handlers.api.tool_parsers import ToolCallReader
+from handlers.api.tool_parsers.llama3_json import Llama3JsonParser
 from handlers.engine.scheduler import FinishEvent
 from handlers.errors import RequestError
 from tests.unit.test_openai_api import make_service, make_tokenizer
@@ -63,8 +65,16 @@ def finish(text: str, reason: str = "stop") -> FinishEvent:
                        token_ids=())
 
 
+#: what the framers read calls with, for a request offering WEATHER and CLOCK
+READER = ToolCallReader.of(Llama3JsonParser(), [WEATHER, CLOCK])
+
+
+def parse_tool_calls(text: str) -> list[dict] | None:
+    return READER.calls(text)
+
+
 def meta(tools: bool = True) -> ResponseMeta:
-    return ResponseMeta("chatcmpl-x", 0, "m", chat=True, tool_calls=tools)
+    return ResponseMeta("chatcmpl-x", 0, "m", chat=True, tool_calls=READER if tools else None)
 
 
 # --- which templates call tools ---
