@@ -314,8 +314,7 @@ class ChatCompletionsApi:
         tools = asked.rendered() if asked and tools_ok and asked.choice != "none" else None
         text = render_chat(service.tokenizer, messages, handler.chat_template, tools)
         request = to_generation_request(body, text, handler, names)
-        logprobs = logprobs_asked(body, chat=True)
-        _no_stream_logprobs(body, logprobs)
+        logprobs = logprobs_asked(body, chat=True)  # streamed: with the last chunk
         request = replace(request, sampling=extensions(body, request.sampling,
                                                        service.limits.capabilities,
                                                        logprobs, echo=False))

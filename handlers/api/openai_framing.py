@@ -232,7 +232,12 @@ class OpenAISseFramer(OpenAIErrorFramer):
         if self.held:
             out, called = self._calls()
             reason = "tool_calls" if called else reason
-        out += self._event([self._choice("", reason)])
+        last = self._choice("", reason)
+        if self.meta.chat and event.logprobs is not None:
+            # every token's, with the last chunk: the engine streams text, not logprobs;
+            # clients that accumulate a stream's logprobs (openai's) get the whole list
+            last["logprobs"] = chat_logprobs(self.meta, event)
+        out += self._event([last])
         if self.meta.include_usage:
             out += self._event([], event)
         return out + DONE

@@ -132,6 +132,7 @@ class StreamWriter:
         self.framer: Framer | None = None
         self.started = False  # a chunk went out, or is on its way
         self._text: list[str] = []  # streamed text not yet framed
+        self._tokens: int | None = None  # tokens generated up to its end, when counted
         #: a chunk's prediction up to its body: the same for every chunk after the first
         self._prefix: bytes | None = None
 
@@ -143,30 +144,56 @@ class StreamWriter:
         self.framer = framer
         self.context.set_response_content_type(self.idx, framer.content_type)
 
-    def add_text(self, text: str) -> None:
-        """Generated text, framed and sent with this event-loop iteration's chunks (none
-        for a non-streamed answer, whose last piece carries it all). Called on the loop's
-        thread, straight from the engine's events: no coroutine wakes per token."""
+    def add_text(self, text: str, tokens: int | None = None) -> None:
+        """Generated text (and, for a framer that counts them, the tokens generated up to
+        its end), framed and sent with this event-loop iteration's chunks (none for a
+        non-streamed answer, whose last piece carries it all). Called on the loop's
+        thread, straight from the engine's events: no coroutine wakes per token.
+
+        This is the one path every piece of text takes, whichever way it arrived: framed
+        in the order it was added, and all of it before the answer's end (`end`)."""
         if text and self.framer.streaming:
             if not self._text:
                 self.sender.add(self)
             self._text.append(text)
-            self.started = True
+            if tokens is not None:
+                self._tokens = tokens
 
     def take(self) -> bytes | None:
-        """The text added since the last call, as one chunk's prediction (ChunkSender)."""
+        """The text added since the last call, as one chunk's prediction (ChunkSender);
+        None when there is none, or the framer holds it back (a possible tool call)."""
         text, self._text = "".join(self._text), []
-        return self._part(self.framer.chunk(text)) if text else None
+        if not text:
+            return None
+        if self._tokens is not None:  # the counts the chunk holding this text carries
+            self.framer.tokens = self._tokens
+        payload = self.framer.chunk(text)
+        return self._part(payload) if payload else None
 
     def send(self, payload: str) -> None:
         """One chunk of a streamed 200 (nothing to send: nothing goes out)."""
         if payload and (part := self._part(payload)) is not None:
             self.sender.add(part)
 
+    def end(self, event: FinishEvent) -> str:
+        """The answer's end: the text added before it framed and sent first, then the
+        framer's final piece (which may release text it held back)."""
+        self.sender.flush()
+        return self.finish(self.framer.final(event))
+
+    def end_with_error(self, event: ErrorEvent) -> str:
+        """A failure: in the stream if a chunk went out (the text before it first), else
+        a proper HTTP status."""
+        self.sender.flush()
+        if self.started:
+            return self.finish(self.framer.error(event.status, event.message, in_stream=True))
+        retry = {"Retry-After": str(event.retry_after_s)} if event.retry_after_s else None
+        return self.fail(event.status, self.framer.error(event.status, event.message), retry)
+
     def finish(self, last: str) -> str:
         """The answer's last piece; returned to TorchServe, which ends the stream with it.
-        A body that never streamed (non-streamed JSON, an empty stream) goes out as the
-        stream's one chunk first."""
+        A body that never streamed (non-streamed JSON, an empty stream, a stream whose
+        text the framer held to the end) goes out as the stream's one chunk first."""
         if not self.started:
             if (part := self._part(last)) is not None:
                 self.sender.add(part)
@@ -257,7 +284,7 @@ class GenerationHandler:
             except Exception:  # an exception here would fail every in-flight request
                 logger.exception("request %s failed", context.get_request_id(idx))
                 message = "internal error; the worker log has the details"
-                framer = native_framer(False, "")
+                framer = writer.framer or native_framer(False, "")  # the answer's own shape
                 if writer.started:
                     return writer.finish(framer.error(500, message, in_stream=True))
                 return writer.fail(500, framer.error(500, message))
@@ -324,9 +351,10 @@ class GenerationHandler:
         """Wait for the sequence's end; the return value is the last piece.
 
         Text reaches `writer.add_text` without waking this coroutine (the service calls
-        it); a queue that carries text too (a sink without that callback) is read here.
-        Text that queued up goes out as one chunk either way: fewer, larger chunks when
-        the engine outruns the socket, the same text.
+        it); a queue that carries text too (a sink without that callback, or a framer
+        that counts tokens) is read here. Either way the writer frames it in order and
+        before the end; text that queued up goes out as one chunk: fewer, larger chunks
+        when the engine outruns the socket, the same text.
         """
         counting = getattr(framer, "counts_tokens", False)
         while True:
@@ -335,17 +363,12 @@ class GenerationHandler:
                 batch.append(events.get_nowait())
             for event in batch:
                 if isinstance(event, TextEvent):
-                    if counting:  # tokens so far, for the chunk that will hold this text
-                        framer.tokens = event.tokens
-                    writer.add_text(event.text)
+                    writer.add_text(event.text, event.tokens if counting else None)
             end = batch[-1]
             if isinstance(end, FinishEvent):
-                return writer.finish(framer.final(end))
+                return writer.end(end)
             if isinstance(end, ErrorEvent):
-                if writer.started:
-                    return writer.finish(framer.error(end.status, end.message, in_stream=True))
-                retry = {"Retry-After": str(end.retry_after_s)} if end.retry_after_s else None
-                return writer.fail(end.status, framer.error(end.status, end.message), retry)
+                return writer.end_with_error(end)
 
     def _hand_over(self, sock: Any) -> None:
         """TorchServe's socket to the engine process, which answers this worker's requests

@@ -67,11 +67,24 @@ def test_a_tool_call_comes_back_and_its_result_is_answered(server) -> None:
     assert second.choices[0].finish_reason == "stop" and not second.choices[0].message.tool_calls
 
 
-def test_a_streamed_tool_call_arrives_as_deltas_with_no_content(server) -> None:
+@pytest.mark.parametrize("options", [
+    {},
+    {"stream_options": {"include_usage": True}},
+    # the framer counts tokens per chunk: the calls were lost with it (issue 36)
+    {"stream_options": {"include_usage": True}, "extra_body": {
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}},
+    {"logprobs": True, "top_logprobs": 1, "extra_body": {
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}},
+], ids=["plain", "usage", "continuous usage", "continuous usage and logprobs"])
+def test_a_streamed_tool_call_arrives_as_deltas_with_no_content(server, options) -> None:
     stream = client(server, TOOLS_MODEL).chat.completions.create(
-        model=TOOLS_MODEL, messages=ASK, tools=[WEATHER], temperature=0, stream=True)
+        model=TOOLS_MODEL, messages=ASK, tools=[WEATHER], temperature=0, stream=True,
+        **options)
     names, arguments, content, reasons = [], "", "", []
     for chunk in stream:
+        if not chunk.choices:  # the usage chunk
+            assert chunk.usage.completion_tokens == 6  # the call's 5 words and EOS
+            continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for call in delta.tool_calls or ():
