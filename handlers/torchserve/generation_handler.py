@@ -130,7 +130,7 @@ class StreamWriter:
         self.idx = idx
         self.sender = sender
         self.framer: Framer | None = None
-        self.started = False  # a chunk went out, or is on its way
+        self.started = False  # a chunk went out, or is queued in the sender
         self._text: list[str] = []  # streamed text not yet framed
         self._tokens: int | None = None  # tokens generated up to its end, when counted
         #: a chunk's prediction up to its body: the same for every chunk after the first
@@ -181,14 +181,16 @@ class StreamWriter:
         self.sender.flush()
         return self.finish(self.framer.final(event))
 
-    def end_with_error(self, event: ErrorEvent) -> str:
-        """A failure: in the stream if a chunk went out (the text before it first), else
-        a proper HTTP status."""
+    def end_with_error(self, status: int, message: str, retry_after_s: int = 0) -> str:
+        """A failure, in the answer's own format (a native JSON error before one is
+        known): in the stream if a chunk went out (the text before it first), else a
+        proper HTTP status."""
+        framer = self.framer or native_framer(False, "")
         self.sender.flush()
         if self.started:
-            return self.finish(self.framer.error(event.status, event.message, in_stream=True))
-        retry = {"Retry-After": str(event.retry_after_s)} if event.retry_after_s else None
-        return self.fail(event.status, self.framer.error(event.status, event.message), retry)
+            return self.finish(framer.error(status, message, in_stream=True))
+        retry = {"Retry-After": str(retry_after_s)} if retry_after_s else None
+        return self.fail(status, framer.error(status, message), retry)
 
     def finish(self, last: str) -> str:
         """The answer's last piece; returned to TorchServe, which ends the stream with it.
@@ -283,11 +285,8 @@ class GenerationHandler:
                 return await self.serve_one(writer, item)
             except Exception:  # an exception here would fail every in-flight request
                 logger.exception("request %s failed", context.get_request_id(idx))
-                message = "internal error; the worker log has the details"
-                framer = writer.framer or native_framer(False, "")  # the answer's own shape
-                if writer.started:
-                    return writer.finish(framer.error(500, message, in_stream=True))
-                return writer.fail(500, framer.error(500, message))
+                return writer.end_with_error(500, "internal error; the worker log has the "
+                                             "details")
 
         return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(data))))
 
@@ -368,7 +367,7 @@ class GenerationHandler:
             if isinstance(end, FinishEvent):
                 return writer.end(end)
             if isinstance(end, ErrorEvent):
-                return writer.end_with_error(end)
+                return writer.end_with_error(end.status, end.message, end.retry_after_s)
 
     def _hand_over(self, sock: Any) -> None:
         """TorchServe's socket to the engine process, which answers this worker's requests

@@ -24,7 +24,7 @@ from handlers.backends import capabilities_for
 from handlers.config import parse_config
 from handlers.engine.core import QueueSink
 from handlers.engine.messages import ModelLimits
-from handlers.engine.scheduler import FinishEvent, TextEvent
+from handlers.engine.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.torchserve.generation_handler import GenerationHandler
 from tests.unit.test_openai_api import make_tokenizer
 from tests.unit.test_tool_calls import ASK, CLOCK, TOOL_TEMPLATE, WEATHER
@@ -88,7 +88,7 @@ class Socket:
         self.sent += data
 
 
-def ask(service: ScriptedService, body: dict):
+def ask(service: ScriptedService, body: dict, status: int = 200):
     """One chat request through the handler, as its client sees it."""
     handler = GenerationHandler()
     handler.service = service
@@ -100,7 +100,7 @@ def ask(service: ScriptedService, body: dict):
     context.cl_socket.sendall(create_predict_response(ret, context.request_ids,
                                                       "Prediction success", 200, context))
     view = http_view(decode(context.cl_socket.sent))
-    assert (view.status, view.complete, view.forgotten) == (200, True, True), view.body[:300]
+    assert (view.status, view.complete, view.forgotten) == (status, True, True), view.body[:300]
     return view
 
 
@@ -200,3 +200,16 @@ def test_a_call_cut_short_by_max_tokens_is_content_with_finish_reason_length() -
     got = streamed(view, False, False)
     assert (got["content"], got["calls"], got["finish_reason"]) == ("".join(pieces), [],
                                                                     "length")
+
+
+def test_an_error_while_a_call_is_held_back_is_a_proper_status() -> None:
+    """Nothing went out (the framer held the text): the client gets the error's status."""
+    class Failing(ScriptedService):
+        def submit(self, request_id, request, prompt_ids, loop, on_text=None):
+            sink = QueueSink(loop, asyncio.Queue(), on_text)
+            QueueSink.put_all(loop, [(sink, TextEvent('{"name": "get_', 1)),
+                                     (sink, ErrorEvent(504, "the deadline passed"))])
+            return sink.queue
+
+    view = ask(Failing([], False), {"tools": [WEATHER], "stream": True}, status=504)
+    assert json.loads(view.body)["error"]["message"] == "the deadline passed"
