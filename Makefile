@@ -34,7 +34,7 @@ NEURON_STACK_TESTS := tests/unit/test_neuron_*.py tests/unit/test_cache_*.py \
 	tests/unit/test_engine.py tests/unit/test_request.py tests/unit/test_detokenize.py \
 	tests/unit/test_openai_api.py tests/unit/test_engine_client.py tests/unit/test_nxdi_*.py \
 	tests/unit/test_synthetic_backend.py tests/unit/test_worker_service.py tests/unit/test_prompt_encoder.py \
-	tests/e2e/test_synthetic_e2e.py \
+	tests/unit/test_structured.py tests/e2e/test_synthetic_e2e.py \
 	tests/e2e/test_neuron_e2e.py tests/e2e/test_worker_death_e2e.py
 
 # Most of the suite waits on TorchServe (JVM start, model load, streams), so test files run
@@ -49,11 +49,12 @@ PY310 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python3.10) \
 	$(shell command -v python3.10 2>/dev/null))
 VENV310 := .venv310
 STAMP310 := $(VENV310)/.installed
-PY310_DEPS := pyyaml numpy safetensors httpx aiohttp rich psutil pytest \
-	transformers==4.57.6 tokenizers==0.22.2 huggingface_hub==0.36.0
+# llguidance at the floor pyproject.toml accepts (1.6: the last built for glibc 2.17)
+PY310_DEPS := pyyaml numpy safetensors httpx aiohttp rich psutil pytest jsonschema \
+	transformers==4.57.6 tokenizers==0.22.2 huggingface_hub==0.36.0 llguidance==1.6.0
 PY310_TESTS := tests/unit/test_py310_runtime.py tests/unit/test_scheduler.py \
 	tests/unit/test_engine.py tests/unit/test_engine_client.py tests/unit/test_request.py \
-	tests/unit/test_capabilities.py tests/unit/test_engine_messages.py
+	tests/unit/test_capabilities.py tests/unit/test_engine_messages.py tests/unit/test_structured.py
 
 .PHONY: install install-browser install-prometheus install-test-tools overlays demo stop test test-main test-neuron-stack test-readme \
 	test-py310 lint bench bench-device clean

@@ -1,0 +1,304 @@
+"""The grammar layer (handlers/structured): request fields -> GrammarSpec -> compiled
+grammar -> masks, over the corpus of real schemas, with the demo model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import jsonschema
+import numpy as np
+import pytest
+
+from archive_tools.demo_model import SIZES, build_tokenizer
+from handlers.errors import RequestError
+from handlers.structured import spec as specs
+from handlers.structured.compiler import GrammarCompiler, grammar_tokenizer
+from handlers.structured.masks import MaskBatch, RowGrammar, allowed, apply_bitmask
+from tests.structured_walk import corpus, token_bias, walk
+
+CORPUS = corpus()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    return build_tokenizer(SIZES["tiny"], seed=0)
+
+
+@pytest.fixture(scope="module")
+def compiler(hf_tokenizer):
+    c = GrammarCompiler(lambda: grammar_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size + 6,
+                                                  [hf_tokenizer.eos_token_id]))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def model(compiler, hf_tokenizer):
+    """(masks, bias, eos ids) of the stand-in model over the demo vocabulary (+6 ids past
+    the tokenizer, as a model's padded head has)."""
+    vocab = hf_tokenizer.vocab_size + 6
+    return (MaskBatch(4, vocab), token_bias(compiler.tokenizer(), vocab),
+            [hf_tokenizer.eos_token_id])
+
+
+def schema_spec(schema: dict, strict: bool = True) -> specs.GrammarSpec:
+    return specs.response_format({"type": "json_schema", "json_schema": {
+        "name": "s", "schema": schema, "strict": strict}})
+
+
+# -- request fields ------------------------------------------------------------------------
+def test_text_and_absent_formats_ask_for_no_grammar() -> None:
+    assert specs.response_format(None) is None
+    assert specs.response_format({"type": "text"}) is None
+
+
+@pytest.mark.parametrize("value, field, words", [
+    ("json", "response_format", "expected an object"),
+    ({"type": "xml"}, "response_format.type", "json_object, json_schema"),
+    ({"type": "json_schema"}, "response_format.json_schema", "name and schema"),
+    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}},
+     "response_format.json_schema.name", "letters, digits"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": [], "strict": True}},
+     "response_format.json_schema.schema", "JSON Schema object"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict": "yes"}},
+     "response_format.json_schema.strict", "true or false"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}},
+     "response_format.json_schema", "unknown key"),
+    ({"type": "json_object", "schema": {}}, "response_format", "unknown key"),
+])
+def test_a_malformed_response_format_names_the_field(value, field, words) -> None:
+    with pytest.raises(RequestError) as info:
+        specs.response_format(value)
+    assert info.value.field == field and words in info.value.message
+
+
+def test_a_schema_past_the_size_or_depth_bound_is_refused_before_compiling() -> None:
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 90}
+                                            for i in range(specs.MAX_SCHEMA_BYTES // 100)}}
+    deep: dict = {"type": "string"}
+    for _ in range(specs.MAX_SCHEMA_DEPTH):
+        deep = {"type": "array", "items": deep}
+    for schema, words in ((big, "bytes"), (deep, "deeper")):
+        with pytest.raises(RequestError) as info:
+            schema_spec(schema)
+        assert info.value.field == "response_format.json_schema.schema"
+        assert words in info.value.message
+
+
+def test_equal_schemas_share_a_key_whatever_their_key_order() -> None:
+    a = schema_spec({"type": "object", "properties": {"x": {"type": "integer"}}})
+    b = schema_spec({"properties": {"x": {"type": "integer"}}, "type": "object"})
+    assert a.key == b.key != schema_spec({"type": "object"}).key
+    assert schema_spec({"type": "object"}, strict=False).key != schema_spec({"type": "object"}).key
+
+
+# -- the corpus through the grammar ------------------------------------------------------
+def finished_answers(compiler, model, spec, seeds=(0,)) -> list[str]:
+    masks, bias, eos = model
+    tok = compiler.tokenizer()
+    compiled = compiler.compile(spec)
+    texts = []
+    for seed in seeds:
+        grammar = RowGrammar(compiled.matcher())
+        tokens, finished = walk(grammar, masks, bias, eos, np.random.default_rng(seed))
+        if finished:
+            texts.append(tok.decode_str(tokens))
+    return texts
+
+
+@pytest.mark.parametrize("entry", CORPUS["schemas"], ids=lambda e: e["id"])
+def test_every_finished_answer_validates_against_its_schema(compiler, model, entry) -> None:
+    texts = finished_answers(compiler, model, schema_spec(entry["schema"]))
+    assert texts, f"{entry['id']}: no answer finished within 1200 tokens"
+    for text in texts:
+        jsonschema.validate(json.loads(text), entry["schema"])
+
+
+def test_the_corpus_is_large_real_and_sourced() -> None:
+    entries = CORPUS["schemas"]
+    assert len(entries) >= 50
+    assert len({e["id"] for e in entries}) == len(entries)
+    for e in entries + CORPUS["unsupported"]:
+        assert e["source"].startswith("github.com/") and "@" in e["source"], e["id"]
+        # a valid schema of its draft (regex formats unchecked: the sources use ECMA-262
+        # named groups, (?<name>...), which Python's re spells (?P<name>...))
+        validator = jsonschema.validators.validator_for(e["schema"])
+        validator.check_schema(e["schema"], format_checker=None)
+
+
+def test_json_object_gives_a_json_object(compiler, model) -> None:
+    texts = finished_answers(compiler, model, specs.response_format({"type": "json_object"}),
+                             seeds=range(4))
+    assert texts
+    assert all(isinstance(json.loads(t), dict) for t in texts)
+
+
+FUNCTIONS = [e for e in CORPUS["schemas"] if e["kind"] == "function"]
+TOOLS = [{"type": "function", "function": {"name": e["name"], "parameters": e["schema"]}}
+         for e in FUNCTIONS]
+
+
+@pytest.mark.parametrize("entry", FUNCTIONS, ids=lambda e: e["id"])
+def test_a_named_function_is_called_with_valid_arguments(compiler, model, entry) -> None:
+    spec = specs.forced_tool_call(TOOLS, entry["name"])
+    texts = finished_answers(compiler, model, spec)
+    assert texts
+    for text in texts:
+        call = json.loads(text)
+        assert list(call) == ["name", "parameters"] and call["name"] == entry["name"]
+        jsonschema.validate(call["parameters"], entry["schema"])
+
+
+def test_required_calls_one_or_more_listed_functions(compiler, model) -> None:
+    fmt = specs.ToolCallFormat(prefix="<call>", suffix="</call>", separator="\n")
+    by_name = {e["name"]: e["schema"] for e in FUNCTIONS}
+    texts = finished_answers(compiler, model, specs.forced_tool_call(TOOLS, None, fmt),
+                             seeds=range(6))
+    assert texts
+    for text in texts:
+        parts = text.split("\n")
+        for part in parts:
+            assert part.startswith("<call>") and part.endswith("</call>")
+            call = json.loads(part.removeprefix("<call>").removesuffix("</call>"))
+            jsonschema.validate(call["parameters"], by_name[call["name"]])
+
+
+def test_forcing_a_function_not_listed_names_tool_choice() -> None:
+    with pytest.raises(RequestError) as info:
+        specs.forced_tool_call(TOOLS, "no_such_function")
+    assert info.value.field == "tool_choice"
+
+
+# -- what the engine cannot do exactly -----------------------------------------------------
+@pytest.mark.parametrize("entry", CORPUS["unsupported"], ids=lambda e: e["id"])
+def test_strict_with_a_schema_the_engine_would_approximate_is_a_400(compiler, entry) -> None:
+    with pytest.raises(RequestError) as info:
+        compiler.compile(schema_spec(entry["schema"], strict=True))
+    assert info.value.field == "response_format.json_schema"
+    assert info.value.message and "\n" not in info.value.message
+    assert len(info.value.message) < 400  # the reason, not the grammar
+
+
+def test_without_strict_unsupported_keywords_are_approximated(compiler, model) -> None:
+    entry = next(e for e in CORPUS["unsupported"] if "uniqueItems" in e["strict_error"])
+    compiler.compile(schema_spec(entry["schema"], strict=False))  # compiles
+    with pytest.raises(RequestError) as info:
+        compiler.compile(schema_spec(entry["schema"], strict=True))
+    assert "strict: false" in info.value.message
+
+
+def test_a_remote_ref_is_refused_never_fetched(compiler) -> None:
+    schema = {"type": "object", "properties": {"a": {"$ref": "https://example.invalid/x.json"}}}
+    with pytest.raises(RequestError) as info:
+        compiler.compile(schema_spec(schema, strict=False))
+    assert "not present" in info.value.message or "retriev" in info.value.message
+
+
+def test_an_invalid_schema_names_the_field(compiler) -> None:
+    with pytest.raises(RequestError) as info:
+        compiler.compile(schema_spec({"type": "object", "properties": {"a": {"type": "nope"}}}))
+    assert info.value.field == "response_format.json_schema"
+
+
+# -- the compiler's bounds -----------------------------------------------------------------
+def test_compiled_grammars_are_cached_per_spec_and_bounded(hf_tokenizer) -> None:
+    c = GrammarCompiler(lambda: grammar_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size),
+                        max_entries=2)
+    try:
+        a, b, d = (schema_spec({"type": "object", "properties": {k: {"type": "integer"}}})
+                   for k in "abd")
+        first = c.compile(a)
+        assert c.compile(a) is first  # cached
+        c.compile(b)
+        c.compile(d)  # a, least recently used, is dropped
+        assert c.compile(a) is not first
+        m1, m2 = first.matcher(), first.matcher()
+        assert m1 is not m2 and m1.consume_token(first.template.compute_ff_tokens()[0]
+                                                 if first.template.compute_ff_tokens() else 0)
+    finally:
+        c.close()
+
+
+def test_a_failed_compile_is_not_cached(compiler) -> None:
+    bad = schema_spec({"type": "object", "properties": {"a": {"type": "nope"}}})
+    for _ in range(2):
+        with pytest.raises(RequestError):
+            compiler.compile(bad)
+    assert bad.key not in compiler._cache
+
+
+def test_a_compile_past_its_time_bound_is_a_400_and_never_blocks_the_caller_longer(
+        hf_tokenizer) -> None:
+    release = threading.Event()
+
+    def slow_tokenizer():
+        release.wait(5)
+        return grammar_tokenizer(hf_tokenizer, hf_tokenizer.vocab_size)
+
+    c = GrammarCompiler(slow_tokenizer, timeout_s=0.2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RequestError) as info:
+            c.compile(schema_spec({"type": "object"}))
+        assert time.monotonic() - start < 2
+        assert "longer than 0.2 s" in info.value.message
+        assert info.value.field == "response_format.json_schema"
+    finally:
+        release.set()
+        c.close()
+
+
+# -- masks ---------------------------------------------------------------------------------
+def test_apply_masks_constrained_rows_and_leaves_free_rows_bit_identical(compiler, model) -> None:
+    masks, _, _ = model
+    vocab = masks.vocab_size
+    compiled = compiler.compile(specs.response_format({"type": "json_object"}))
+    grammar = RowGrammar(compiled.matcher())
+    masks.fill([(1, grammar)])
+    keep = allowed(masks.bitmask[1], vocab)
+    assert 0 < keep.sum() < vocab
+    logits = np.random.default_rng(0).standard_normal((3, vocab)).astype(np.float32)
+    before = logits.copy()
+    masks.apply(logits, [1])
+    assert np.array_equal(logits[[0, 2]], before[[0, 2]])
+    assert np.array_equal(logits[1][keep], before[1][keep])
+    assert np.isneginf(logits[1][~keep]).all()
+    torch = pytest.importorskip("torch", reason="the torch path needs torch")
+    for dtype in (torch.float32, torch.bfloat16):  # torch on the CPU, and not float32
+        t = torch.from_numpy(before.copy()).to(dtype)
+        original = t.clone()
+        apply_bitmask(t, masks.bitmask, [1])
+        assert torch.equal(t[[0, 2]], original[[0, 2]])
+        assert torch.isneginf(t[1][torch.from_numpy(~keep)]).all()
+        assert torch.equal(t[1][torch.from_numpy(keep)], original[1][torch.from_numpy(keep)])
+
+
+def test_a_row_allowing_few_tokens_comes_back_compact_and_its_logits_untouched() -> None:
+    vocab = 100  # not a multiple of 32: the bitmask's last word reaches past the logits
+    bitmask = np.full((3, 4), -1, dtype=np.int32)
+    bitmask[0] = 0
+    bitmask[0, 0] = (1 << 3) | (1 << 7)
+    bitmask[0, 2] = 1 << 5  # token 69
+    bitmask[0, 3] = 1 << 10  # token 106: past the vocabulary, never allowed
+    bitmask[2, 1] = ~(1 << 4)  # row 2 allows every token but 36
+    logits = np.random.default_rng(1).standard_normal((3, vocab)).astype(np.float32)
+    before = logits.copy()
+    out = apply_bitmask(logits, bitmask, [0, 2], compact_limit=10)
+    assert out.compact == [0] and out.masked == [2]
+    assert out.ids.tolist() == [[3, 7, 69]]
+    assert out.values.tolist() == [before[0, [3, 7, 69]].tolist()]
+    assert np.array_equal(logits[:2], before[:2])  # compact row and free row untouched
+    assert np.isneginf(logits[2, 36]) and np.isneginf(logits[2]).sum() == 1
+    out = apply_bitmask(logits, bitmask, [0], compact_limit=0)
+    assert out.masked == [0] and np.isfinite(logits[0]).sum() == 3
+
+
+def test_a_grammar_refuses_a_token_outside_its_mask_and_says_so(compiler) -> None:
+    compiled = compiler.compile(specs.response_format({"type": "json_object"}))
+    grammar = RowGrammar(compiled.matcher())
+    tok = compiler.tokenizer()
+    not_json = tok.tokenize_str("hello")[0]
+    assert grammar.accept([not_json]) == 0
+    assert grammar.failed and not grammar.done
