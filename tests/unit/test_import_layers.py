@@ -105,7 +105,8 @@ def upward(edges: dict[str, set[str]]) -> list[str]:
 
 #: the runtime's concerns, lowest first: each imports only those before it (and the shared
 #: modules at the top of handlers/: config, errors, presets)
-CONCERNS = ("handlers.backends", "handlers.engine", "handlers.api", "handlers.torchserve")
+CONCERNS = ("handlers.structured", "handlers.backends", "handlers.engine", "handlers.api",
+            "handlers.torchserve")
 #: all that handlers.config may import of the runtime: the named presets it validates
 #: (handlers/presets: data beneath config) and the errors it raises
 BELOW_CONFIG = ("handlers.presets", "handlers.errors")
@@ -133,10 +134,12 @@ def against_the_concerns(edges: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_runtime_folders_are_layers() -> None:
-    """handlers/backends runs the model, handlers/engine schedules it, handlers/api turns
-    HTTP into requests, handlers/torchserve adapts all of it to TorchServe: the folder tree
-    is the architecture, and no arrow points up it. handlers.config, which every concern
-    reads, reads none of them: the presets it checks names against live beneath it."""
+    """handlers/structured turns a requested shape into token masks (below every backend
+    that applies them), handlers/backends runs the model, handlers/engine schedules it,
+    handlers/api turns HTTP into requests, handlers/torchserve adapts all of it to
+    TorchServe: the folder tree is the architecture, and no arrow points up it.
+    handlers.config, which every concern reads, reads none of them: the presets it checks
+    names against live beneath it."""
     edges = graph()
     assert against_the_concerns(edges) == []
     assert {t for t in edges["handlers.config"] if t.startswith("handlers")} <= {
