@@ -53,3 +53,45 @@ def walk(grammar, masks, bias: np.ndarray, eos_ids: list[int], rng: np.random.Ge
                                  f"{grammar.failed}")
         tokens.append(token)
     return tokens, False
+
+
+def stand_in(hf_tokenizer):
+    """(compiler, (masks, bias, eos ids)) over the tokenizer's vocabulary plus 6 ids past
+    it, as a model's padded head has: what the grammar tests run against."""
+    from handlers.structured.compiler import GrammarCompiler, grammar_tokenizer
+    from handlers.structured.masks import MaskBatch
+
+    vocab = hf_tokenizer.vocab_size + 6
+    eos = [hf_tokenizer.eos_token_id]
+    compiler = GrammarCompiler(lambda: grammar_tokenizer(hf_tokenizer, vocab, eos))
+    return compiler, (MaskBatch(4, vocab), token_bias(compiler.tokenizer(), vocab), eos)
+
+
+def finished_answers(compiler, model, spec, seeds=(0,)) -> list[str]:
+    """The text of each seed's answer that finished (EOS, or the grammar complete)."""
+    from handlers.structured.masks import RowGrammar
+
+    masks, bias, eos = model
+    compiled = compiler.compile(spec)
+    texts = []
+    for seed in seeds:
+        grammar = RowGrammar(compiled.matcher())
+        tokens, finished = walk(grammar, masks, bias, eos, np.random.default_rng(seed))
+        if finished:
+            texts.append(compiler.tokenizer().decode_str(tokens))
+    return texts
+
+
+def schema_spec(schema: dict, strict: bool = True):
+    from handlers.structured import spec
+
+    return spec.response_format({"type": "json_schema", "json_schema": {
+        "name": "s", "schema": schema, "strict": strict}})
+
+
+def corpus_tools() -> tuple[list[dict], list[dict]]:
+    """(the corpus' function entries, the same as an OpenAI `tools` list)."""
+    functions = [e for e in corpus()["schemas"] if e["kind"] == "function"]
+    return functions, [{"type": "function", "function": {"name": e["name"],
+                                                         "parameters": e["schema"]}}
+                       for e in functions]
