@@ -191,9 +191,10 @@ def test_compiled_grammars_are_cached_per_spec_and_bounded(hf_tokenizer) -> None
         c.compile(b)
         c.compile(d)  # a, least recently used, is dropped
         assert c.compile(a) is not first
-        m1, m2 = first.matcher(), first.matcher()
-        assert m1 is not m2 and m1.consume_token(first.template.compute_ff_tokens()[0]
-                                                 if first.template.compute_ff_tokens() else 0)
+        m1, m2 = first.matcher(), first.matcher()  # copies, each with its own state
+        brace = c.tokenizer().tokenize_str("{")
+        assert m1.consume_tokens(brace) and m1.validate_tokens(brace) == 0
+        assert m2.validate_tokens(brace) == len(brace)
     finally:
         c.close()
 
