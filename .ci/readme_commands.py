@@ -59,6 +59,7 @@ GUIDES = (
     "packaging-and-deploying.md",
     "inferentia2.md",
     "openai.md",
+    "structured_outputs.md",
     "monitoring.md",
     "benchmarking.md",
     "development.md",
