@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+from handlers.errors import ConfigError
 
 # tp degrees the Neuron runtime supports on Inf2: transformers-neuronx developer guide,
 # "Tensor-parallelism support" (aws-neuron/aws-neuron-sdk@81ce03ae:archive/transformers-neuronx/
@@ -50,6 +53,18 @@ HOST_RESERVED_GIB = 2.0
 
 @dataclass(frozen=True)
 class Arch:
+    """A decoder's shape: what the sizing arithmetic needs of its config.json.
+
+    The first fields are every Llama-class model's; the rest default to Llama and hold what
+    the other families change: an explicit head_dim (Qwen3, Mistral: `head_dim` key),
+    tied input and output embeddings (Qwen2.5 0.5B-3B, Qwen3 0.6B-4B: one matrix in the
+    checkpoint, while on the device both Neuron SDKs hold a LM head beside the embedding:
+    NxD Inference copies it, aws-neuron/neuronx-distributed-inference@cd3abf3:src/
+    neuronx_distributed_inference/models/qwen2/modeling_qwen2.py:L230-231), Qwen2's q/k/v
+    bias, Qwen3's q/k norms, and Mixtral's experts (`num_local_experts` MLPs of
+    `intermediate_size` each, `num_experts_per_tok` of them per token, and a router).
+    """
+
     layers: int
     hidden: int
     heads: int
@@ -58,19 +73,80 @@ class Arch:
     intermediate: int
     max_positions: int
     source_dtype: str = ""  # checkpoint dtype from config.json; "" = unknown
+    family: str = "llama"  # config.json's model_type
+    head_size: int = 0  # config.json's head_dim where it is given; 0 = hidden // heads
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    experts: int = 0  # 0 = a dense MLP
+    experts_per_token: int = 0
+    sliding_window: int = 0  # 0 = full attention
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    def mlp_params(self, intermediate: int | None = None) -> int:
+        """One layer's MLP (every expert's, plus the router), at `intermediate` (padded)."""
+        inter = self.intermediate if intermediate is None else intermediate
+        if not self.experts:
+            return 3 * self.hidden * inter
+        return self.experts * 3 * self.hidden * inter + self.hidden * self.experts
+
+    def attn_params(self, heads: int, kv_heads: int) -> int:
+        """One layer's attention projections (and their bias) for these head counts."""
+        q, kv = heads * self.head_dim, kv_heads * self.head_dim
+        bias = q + 2 * kv if self.qkv_bias else 0
+        return 2 * self.hidden * q + 2 * self.hidden * kv + bias
 
     @property
     def layer_params(self) -> int:
-        attn = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * self.head_dim
-        return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return self.attn_params(self.heads, self.kv_heads) + self.mlp_params() + norms
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_params + 2 * self.vocab * self.hidden + self.hidden
+        embeddings = (1 if self.tied_embeddings else 2) * self.vocab * self.hidden
+        return self.layers * self.layer_params + embeddings + self.hidden
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through (all of them, but for Mixtral's idle experts)."""
+        if not self.experts:
+            return self.params
+        idle = (self.experts - self.experts_per_token) * 3 * self.hidden * self.intermediate
+        return self.params - self.layers * idle
+
+
+def _window(data: dict[str, Any]) -> int:
+    """The attention window the checkpoint needs; 0 = full attention. Qwen2's config keeps a
+    `sliding_window` value that `use_sliding_window: false` switches off."""
+    if data.get("use_sliding_window") is False:
+        return 0
+    return int(data.get("sliding_window") or 0)
+
+
+def arch_from_config_json(data: dict[str, Any]) -> Arch:
+    """A checkpoint's shape, with what its family changes (see Arch)."""
+    try:
+        heads = int(data["num_attention_heads"])
+        family = str(data.get("model_type") or "llama")
+        return Arch(int(data["num_hidden_layers"]), int(data["hidden_size"]), heads,
+                    int(data.get("num_key_value_heads") or heads), int(data["vocab_size"]),
+                    int(data["intermediate_size"]),
+                    int(data.get("max_position_embeddings") or 0),
+                    str(data.get("torch_dtype") or data.get("dtype") or ""),
+                    family=family, head_size=int(data.get("head_dim") or 0),
+                    tied_embeddings=bool(data.get("tie_word_embeddings", False)),
+                    # Qwen2 has the bias without a key; Llama's attention_bias adds o_proj's
+                    qkv_bias=family == "qwen2" or bool(data.get("attention_bias")),
+                    qk_norm=family in ("qwen3", "qwen3_moe"),
+                    experts=int(data.get("num_local_experts") or 0),
+                    experts_per_token=int(data.get("num_experts_per_tok") or 0),
+                    sliding_window=_window(data))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"config.json: missing or invalid {exc}; expected a Llama-style config "
+                          "(num_hidden_layers, hidden_size, num_attention_heads, ...)") from exc
 
 
 def round_up(value: int, divisor: int) -> int:
@@ -196,8 +272,8 @@ def device_bytes_per_core(arch: Arch, layout: HeadLayout, amp: str, batch_size: 
     quantized KV cache.
     """
     tp, d, h, b = layout.tp, arch.head_dim, arch.hidden, AMP_BYTES[amp]
-    attn = 2 * h * layout.heads_padded * d + 2 * h * layout.kv_weight_heads * d
-    mlp = 3 * h * round_up(arch.intermediate, tp)
+    attn = arch.attn_params(layout.heads_padded, layout.kv_weight_heads)
+    mlp = arch.mlp_params(round_up(arch.intermediate, tp))  # Mixtral: every expert's
     layers = arch.layers * (attn + mlp) * (b if weight_bytes is None else weight_bytes)
     sharded = layers + h * round_up(arch.vocab, tp) * b
     duplicated = (2 * arch.layers + 1) * h * b  # RMSNorm weights live on every core

@@ -73,8 +73,9 @@ def device_bytes_per_core(arch: Arch, h: NxdiHeads, amp: str, batch: int,
     `kv_bytes`: a quantized KV cache."""
     b, d = AMP_BYTES[amp], arch.head_dim
     q = b if weight_bytes is None else weight_bytes
-    attn = 2 * arch.hidden * h.heads_padded * d + 2 * arch.hidden * h.kv_heads_used * d
-    layer = (attn + 3 * arch.hidden * arch.intermediate) * q + 2 * arch.hidden * b
+    attn = arch.attn_params(h.heads_padded, h.kv_heads_used)
+    layer = (attn + arch.mlp_params()) * q + 2 * arch.hidden * b  # Mixtral: every expert's
+    # the embedding and the LM head both on the device (tied ones as a copy: see Arch)
     weights = (arch.layers * layer + (2 * arch.vocab * arch.hidden + arch.hidden) * b) / h.tp
     kv = (2 * arch.layers * batch * max_length * max(h.kv_heads_used // h.tp, 1) * d
           * (b if kv_bytes is None else kv_bytes))
@@ -85,5 +86,6 @@ def host_load_gib(arch: Arch, amp: str, workers: int) -> float:
     """Host memory while workers start together: each reads the checkpoint's state dict and
     shards it on the host at every load (application_base.py:L403-L405), so about twice the
     weights per worker, plus the process and the OS."""
-    weights = arch.params * AMP_BYTES[amp] / GIB
+    lm_head_copy = arch.vocab * arch.hidden if arch.tied_embeddings else 0  # see Arch
+    weights = (arch.params + lm_head_copy) * AMP_BYTES[amp] / GIB
     return workers * (2 * weights + WORKER_PROCESS_GIB) + HOST_RESERVED_GIB

@@ -6,8 +6,9 @@ transformers-neuronx does it (warnings with the numbers); workers x tp_degree
 cores exist; device memory per NeuronCore fits 16 GiB with headroom; and an
 estimate of host memory while loading weights and compiling graphs. The
 architecture comes from a checkpoint's config.json, or from
-handler.neuron.architecture for the known ones below (so the shipped configs
-validate without downloading weights). Layout arithmetic: `neuron_sizing`.
+handler.neuron.architecture for the published models handlers/families.py knows
+(so the shipped configs validate without downloading weights). Layout arithmetic:
+`neuron_sizing`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from archive_tools.neuron_sizing import (
     WORKER_PROCESS_GIB,
     Arch,
     HeadLayout,
+    arch_from_config_json,
     device_bytes_per_core,
     head_layout,
     host_memory,
@@ -41,7 +43,8 @@ from handlers.errors import ConfigError
 from handlers.families import ARCHITECTURES as KNOWN_CONFIGS
 from neuron_cache.key import context_buckets
 
-__all__ = ["ARCHITECTURES", "INSTANCES", "Arch", "Report", "validate"]
+__all__ = ["ARCHITECTURES", "INSTANCES", "Arch", "Report", "arch_from_config_json",
+           "validate"]
 
 CORE_MEMORY = 16 * 2**30  # bytes of device memory per NeuronCore (32 GiB per chip)
 HEADROOM = 0.15  # runtime, scratchpad, collectives and I/O buffers
@@ -65,19 +68,6 @@ class Weights:
 
     fmt: str = "safetensors"
     largest_file: int = 0  # bytes
-
-
-def arch_from_config_json(data: dict) -> Arch:
-    try:
-        heads = int(data["num_attention_heads"])
-        return Arch(int(data["num_hidden_layers"]), int(data["hidden_size"]), heads,
-                    int(data.get("num_key_value_heads") or heads), int(data["vocab_size"]),
-                    int(data["intermediate_size"]),
-                    int(data.get("max_position_embeddings") or 0),
-                    str(data.get("torch_dtype") or data.get("dtype") or ""))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"config.json: missing or invalid {exc}; expected a Llama-style config "
-                          "(num_hidden_layers, hidden_size, num_attention_heads, ...)") from exc
 
 
 #: the architectures `validate` knows by name (handlers/families.py holds their config.json

@@ -154,6 +154,44 @@ _llama("llama-3-8b", 32, 4096, 32, 8, 128256, 14336, 8192, "bfloat16")
 _llama("llama-3.1-8b", 32, 4096, 32, 8, 128256, 14336, 131072, "bfloat16")
 _llama("llama-3.1-70b", 80, 8192, 64, 8, 128256, 28672, 131072, "bfloat16")
 
+#: the other families' ready configs, each its published config.json (the fields sizing and
+#: the family rules read; bfloat16, rope_theta 1e6 throughout):
+#: Qwen/Qwen2.5-7B-Instruct and -32B-Instruct (vocabulary 151,936 padded to 152,064 from 7B
+#: up; the window is off: use_sliding_window false; untied from 7B up; q/k/v bias without a key)
+ARCHITECTURES["qwen2.5-7b-instruct"] = {
+    "model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+    "intermediate_size": 18944, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+ARCHITECTURES["qwen2.5-32b-instruct"] = {
+    "model_type": "qwen2", "num_hidden_layers": 64, "hidden_size": 5120,
+    "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
+    "intermediate_size": 27648, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 70,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+#: Qwen/Qwen3-8B (head_dim 128, q/k norms without a key, untied; the 0.6B-4B tie)
+ARCHITECTURES["qwen3-8b"] = {
+    "model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "intermediate_size": 12288, "max_position_embeddings": 40960,
+    "rope_theta": 1000000, "attention_bias": False, "sliding_window": None,
+    "use_sliding_window": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+#: mistralai/Mistral-7B-Instruct-v0.3 (vocabulary 32,768; sliding_window null: v0.1's
+#: 4096-token window is gone)
+ARCHITECTURES["mistral-7b-instruct-v0.3"] = {
+    "model_type": "mistral", "num_hidden_layers": 32, "hidden_size": 4096,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32768,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+#: mistralai/Mixtral-8x7B-Instruct-v0.1 (8 experts of intermediate_size, 2 per token)
+ARCHITECTURES["mixtral-8x7b-instruct"] = {
+    "model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+    "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
 
 def rope_scaling(model_config: dict[str, Any]) -> dict[str, Any] | None:
     """config.json's RoPE scaling, None for none: 4.x writes `rope_scaling` (null, or a
