@@ -20,6 +20,7 @@ from pathlib import Path
 
 from archive_tools.checkpoint_compat import make_compatible
 from archive_tools.fileops import human, progress_bar, staged
+from archive_tools.hub_layout import check_layout, transformers_shards
 from archive_tools.package import check_loads
 from handlers.config import load_config
 from handlers.errors import Inf2ServeError
@@ -61,7 +62,7 @@ def source_shards(src: Path) -> list[Path]:
                                      f"are not there ({', '.join(missing[:3])}"
                                      f"{', ...' if len(missing) > 3 else ''}); download them")
             return shards
-    shards = sorted(src.glob("*.safetensors"))
+    shards = transformers_shards(sorted(src.glob("*.safetensors")))  # not Mistral's own
     if not shards and (src / "pytorch_model.bin").is_file():
         shards = [src / "pytorch_model.bin"]
     if not shards:
@@ -125,6 +126,7 @@ def cast(tensor, dtype):
 def _check_src(src: Path) -> None:
     if not src.is_dir():
         raise Inf2ServeError(f"SRC {src}: no such directory")
+    check_layout(src)  # each family's hub layout: archive_tools/hub_layout.py
     if not (src / "config.json").is_file():
         raise Inf2ServeError(f"SRC {src}: no config.json; pass a Hugging Face checkpoint "
                              "directory (the output of save_pretrained)")
