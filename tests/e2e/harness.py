@@ -59,11 +59,12 @@ def build_store(root: Path, checkpoint: Path, specs: list[ArchiveSpec]) -> Path:
 def running_server(store: Path, run_dir: Path, models: list[str],
                    env: dict[str, str] | None = None, workers: int = 1,
                    python: str | None = None, extra_props: dict[str, str] | None = None,
-                   openai_port: int | None = None) -> Iterator[serve.Server]:
+                   openai_port: int | None = None,
+                   ready_timeout_s: float = 300) -> Iterator[serve.Server]:
     server = None
     try:
         server = serve.start(store, models, run_dir, env=env, workers=workers, python=python,
-                             ready_timeout_s=300, extra_props=extra_props,
+                             ready_timeout_s=ready_timeout_s, extra_props=extra_props,
                              openai_port=openai_port)
         yield server
     finally:

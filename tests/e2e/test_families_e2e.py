@@ -1,0 +1,168 @@
+"""Qwen2, Qwen3, Mistral and Mixtral on the torch backend through one real TorchServe.
+
+Each family's tiny `demo-model --arch` checkpoint, plus a Qwen2 and a Mixtral checkpoint
+built with transformers alone (its classes and `save_pretrained`, untouched by the
+toolkit: chat_template.jinja beside tokenizer_config.json, Qwen2.5-7B's untied embeddings,
+Mixtral with 4 experts and one K/V head), each its own archive on one server. For every
+archive, four requests at once (so they share the running batch): native non-streamed
+and NDJSON-streamed, OpenAI chat non-streamed and SSE-streamed; each greedy answer equals
+transformers' `generate` on the same ids (the chat prompt rendered by the checkpoint's own
+template, as transformers renders it).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from archive_tools.package import package
+from tests.e2e.harness import attach_logs_fixture, make_config, post, running_server
+
+pytestmark = pytest.mark.e2e
+DEMO = ("qwen2", "qwen3", "mistral", "mixtral")
+BUILT = ("qwen2-hf", "mixtral-hf")
+MODELS = DEMO + BUILT
+N = 8  # new tokens per answer
+HANDLER = {"batching": "continuous", "batch_size": 4, "threads": 1}
+
+
+def _built_with_transformers(out: Path, name: str) -> Path:
+    """A checkpoint as a user's own transformers script writes it."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from archive_tools.demo_families import FAMILIES
+    from archive_tools.demo_model import SIZES, build_tokenizer
+
+    family = FAMILIES[name.removesuffix("-hf")]
+    tok = build_tokenizer(SIZES["tiny"], seed=1, family=family)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in family.special}
+    common = dict(vocab_size=len(tok), hidden_size=96, num_attention_heads=6,
+                  max_position_embeddings=2048, initializer_range=0.08, num_hidden_layers=2)
+    torch.manual_seed(1)
+    if name == "qwen2-hf":  # Qwen2.5-7B's shape of config: 7 query heads per K/V head, untied
+        config = Qwen2Config(**common, num_key_value_heads=2, intermediate_size=160,
+                             rope_theta=1e6, use_sliding_window=False, sliding_window=2048,
+                             max_window_layers=2, tie_word_embeddings=False,
+                             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+        model = Qwen2ForCausalLM(config)
+        model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    else:  # 4 experts, 2 per token, one K/V head
+        config = MixtralConfig(**common, num_key_value_heads=1, intermediate_size=64,
+                               num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6,
+                               sliding_window=None, bos_token_id=ids["<s>"],
+                               eos_token_id=ids["</s>"])
+        model = MixtralForCausalLM(config)
+    model.eval().save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from archive_tools.demo_model import build_demo_model
+
+    root = tmp_path_factory.mktemp("family-ckpts")
+    out = {name: build_demo_model(root / name, "tiny", seed=0, arch=name) for name in DEMO}
+    out.update({name: _built_with_transformers(root / name, name) for name in BUILT})
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("families-e2e")
+    store = root / "model_store"
+    store.mkdir()
+    for name, ckpt in checkpoints.items():
+        package(make_config(root / f"{name}.yaml", handler=HANDLER), ckpt, name, "no-archive",
+                store)
+    # six workers and their engine processes start at once: more than one model's time
+    with running_server(store, root / "run", list(MODELS), ready_timeout_s=600) as srv:
+        yield srv
+
+
+_attach_logs = attach_logs_fixture()
+
+
+def _reference(ckpt: Path, ids: list[int]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                             dtype=torch.long), max_new_tokens=N, min_new_tokens=N,
+                             do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def _chat_stream(server, name: str, messages: list[dict]) -> str:
+    client = _client(server, name)
+    stream = client.chat.completions.create(model=name, messages=messages, max_tokens=N,
+                                            temperature=0, stream=True,
+                                            extra_body={"min_tokens": N})
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def _chat(server, name: str, messages: list[dict]):
+    return _client(server, name).chat.completions.create(
+        model=name, messages=messages, max_tokens=N, temperature=0,
+        extra_body={"min_tokens": N})
+
+
+def _client(server, name: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.inference_url}/predictions/{name}/1.0/v1",
+                  api_key=server.inference_token, max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_answers_equal_generate_native_and_chat_streamed_and_not(server, checkpoints,
+                                                                        name) -> None:
+    from transformers import AutoTokenizer
+
+    ckpt = checkpoints[name]
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    prompt = f"Once upon a time the {name} model"
+    messages = [{"role": "user", "content": f"Tell {name} a short story."}]
+    native = {"prompt": prompt, "max_new_tokens": N, "min_new_tokens": N, "temperature": 0}
+    jobs = [
+        lambda: post(server, name, {**native, "stream": False, "details": True}),
+        lambda: post(server, name, {**native, "stream_format": "ndjson"}),
+        lambda: _chat(server, name, messages),
+        lambda: _chat_stream(server, name, messages),
+    ]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        whole, streamed, chat, chat_streamed = [f.result() for f in
+                                                [pool.submit(job) for job in jobs]]
+
+    want = _reference(ckpt, tok(prompt)["input_ids"])
+    assert whole.status == 200, whole.body
+    assert whole.json()["token_ids"] == want
+    text = tok.decode(want, skip_special_tokens=True)
+    assert whole.json()["text"] == text
+    assert streamed.status == 200, streamed.body
+    lines = streamed.ndjson()
+    assert "".join(line.get("text", "") for line in lines) == text
+    assert lines[-1]["completion_tokens"] == N
+
+    chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"]
+    want_chat = _reference(ckpt, list(chat_ids))
+    chat_text = tok.decode(want_chat, skip_special_tokens=True)
+    assert "<think>" not in chat_text and "<tool_call>" not in chat_text  # plain content
+    assert chat.usage.prompt_tokens == len(chat_ids)
+    assert chat.choices[0].message.content == chat_text
+    assert chat_streamed == chat_text
+
+
+def test_the_transformers_built_checkpoints_are_what_a_user_saves(checkpoints) -> None:
+    """Not a demo-model output: the chat template in chat_template.jinja (transformers 5's
+    save_pretrained), Qwen2 untied, Mixtral with 4 experts; yet served above."""
+    qwen, mixtral = checkpoints["qwen2-hf"], checkpoints["mixtral-hf"]
+    assert (qwen / "chat_template.jinja").is_file()
+    assert json.loads((qwen / "config.json").read_text())["tie_word_embeddings"] is False
+    assert json.loads((mixtral / "config.json").read_text())["num_local_experts"] == 4
