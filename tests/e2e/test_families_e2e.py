@@ -62,11 +62,9 @@ def _built_with_transformers(out: Path, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from archive_tools.demo_model import build_demo_model
-
+def checkpoints(family_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("family-ckpts")
-    out = {name: build_demo_model(root / name, "tiny", seed=0, arch=name) for name in DEMO}
+    out = {name: family_checkpoint(name) for name in DEMO}
     out.update({name: _built_with_transformers(root / name, name) for name in BUILT})
     return out
 

@@ -12,7 +12,6 @@ import pytest
 
 from archive_tools.cli import main
 from archive_tools.demo_families import FAMILIES
-from archive_tools.demo_model import build_demo_model
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 TOOLS = [{"type": "function", "function": {
@@ -49,9 +48,8 @@ def test_an_unknown_arch_is_refused_with_the_choices(tmp_path: Path, capsys) -> 
 
 
 @pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    return {arch: build_demo_model(root / arch, "tiny", seed=0, arch=arch)
+def family_dirs(family_checkpoint) -> dict[str, Path]:
+    return {arch: family_checkpoint(arch)
             for arch in ("qwen2", "qwen3", "mistral", "mistral-v0.1", "mixtral")}
 
 

@@ -43,12 +43,8 @@ def _as_published(demo: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def demos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from archive_tools.demo_model import build_demo_model
-
-    root = tmp_path_factory.mktemp("hub-demos")
-    return {arch: build_demo_model(root / arch, "tiny", seed=0, arch=arch)
-            for arch in ("qwen2", "mistral", "mixtral")}
+def demos(family_checkpoint) -> dict[str, Path]:
+    return {arch: family_checkpoint(arch) for arch in ("qwen2", "mistral", "mixtral")}
 
 
 def _same_greedy_logits(a: Path, b: Path) -> None:
