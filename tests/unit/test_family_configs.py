@@ -8,6 +8,7 @@ embeddings counted once, Qwen2's q/k/v bias, Qwen3's q/k norms, Mixtral's eight 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -149,3 +150,16 @@ def test_the_bf16_variant_that_does_not_fit_is_refused_with_numbers(
     assert expected in out, out
     assert "a core has 14.6 GB available" in out
     assert out.rstrip().endswith("1 problem(s)")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "mixtral"])
+def test_the_arithmetic_counts_what_transformers_builds(family_checkpoint, arch: str) -> None:
+    """Each family's config.json read as validate reads a checkpoint's gives the parameter
+    count of the model transformers builds from it (tied weights once)."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = family_checkpoint(arch)
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    built = sum(p.numel() for p in model.parameters())
+    config = json.loads((ckpt / "config.json").read_text())
+    assert arch_from_config_json(config).params == built
