@@ -44,11 +44,15 @@ from typing import NamedTuple
 
 from handlers.backends.base import Backend, Rows
 from handlers.engine.scheduler import ErrorEvent, Event, Scheduler, Sequence, TextEvent
+from handlers.telemetry.catalog import Finished, SpecDecode
 
 logger = logging.getLogger(__name__)
 
-#: observer(name, value, unit) for metrics such as time to first token
-Observer = Callable[[str, float, str], None]
+#: observer(name, value, unit) for metrics such as time to first token; the value is a
+#: number, but for "InterTokenLatency" (a step's intervals, a tuple of seconds),
+#: "RequestFinished" (a `Finished`) and "SpecDecode" (a `SpecDecode`): tuples, which cross
+#: the process boundary as they are (handlers/telemetry/recorder.py reads them)
+Observer = Callable[[str, object, str], None]
 #: one entry of a step's output, in order: (sequence, tokens, finish reason or None) for
 #: a step's generated tokens (those `Sequence.extend` kept); (sequence, None, event) for an
 #: end the engine decided (cancel, failure); (sequence, None, "timeout") for a deadline
@@ -117,6 +121,7 @@ class Engine:
             self._poked = True
             self._cond.notify()
         if seq is not None and seq.slot is None:  # it waited: no step ever saw it
+            self._observe_end(seq, "abort", time.monotonic())
             _emit(seq, ErrorEvent(499, "cancelled"))
 
     def start(self) -> None:
@@ -280,7 +285,7 @@ class Engine:
             self._items = Unrecorded(seqs, rows)
             self._behind = True
             if self._speculative:
-                self._observe("DeviceTokens", sum(map(len, rows)), "count")
+                self._observe_speculation(rows)
         else:
             self._deliver(seqs, rows, what)
 
@@ -370,7 +375,10 @@ class Engine:
             return
         eos, max_length = self.backend.eos_token_ids, self.backend.max_length
         if self._speculative:
-            self._observe("DeviceTokens", sum(map(len, rows)), "count")
+            if what == "decode":
+                self._observe_speculation(rows)
+            else:
+                self._observe("DeviceTokens", sum(map(len, rows)), "count")
         finished = []
         for seq, row in zip(seqs, rows, strict=True):
             kept, reason = seq.extend(row, eos, max_length)
@@ -381,6 +389,16 @@ class Engine:
                 finished.append(seq)
         if finished:  # their slots are free for the next step's newcomers
             self._release(finished)
+
+    def _observe_speculation(self, rows: Rows) -> None:
+        """A speculative decode's tokens (DeviceTokens), and vLLM's counts: a draft of
+        `max_tokens_per_step - 1` tokens per sequence, of which all but the target's own
+        last token were accepted."""
+        emitted = sum(map(len, rows))
+        self._observe("DeviceTokens", emitted, "count")
+        k = self.backend.max_tokens_per_step - 1
+        self._observe("SpecDecode", SpecDecode(len(rows), k * len(rows), emitted - len(rows),
+                                               emitted), "count")
 
     def _record_logprobs(self, seq: Sequence) -> None:
         """The backend's logprob of the token just added (and, after prefill, the prompt's)."""
@@ -412,6 +430,8 @@ class Engine:
         if type(items) is Unrecorded:
             items = self._record(items)
         out: list[tuple[Sequence, Event]] = []
+        now = time.monotonic()
+        gaps: list[float] = []  # inter-token latency of each sequence given tokens
         for seq, tokens, what in items:
             if seq.done:
                 continue
@@ -419,6 +439,10 @@ class Engine:
                 if seq.shown == 0:
                     self._observe("TimeToFirstToken",
                                   (seq.first_token_at - seq.arrived_at) * 1000, "ms")
+                elif tokens:
+                    gaps.append(now - seq.last_token_at)
+                if tokens:
+                    seq.last_token_at = now
                 text, reason = seq.render(tokens, what)
                 if text:
                     out.append((seq, TextEvent(text, seq.shown)))
@@ -430,7 +454,10 @@ class Engine:
                 out.append((seq, self._finish(seq, "timeout")))
             else:
                 seq.done = True
+                self._observe_end(seq, "abort" if what.status == 499 else "error", now)
                 out.append((seq, what))
+        if gaps:
+            self._observe("InterTokenLatency", tuple(gaps), "s")
         deliver(out)
         self._after_step()
 
@@ -447,7 +474,19 @@ class Engine:
         with self._cond:  # the output thread's one write of engine state
             self._poked = True  # after `done`: a stop string's end leaves at the next step
         self._observe("GeneratedTokens", seq.shown, "count")
+        self._observe_end(seq, reason, time.monotonic())
         return seq.finish_event(reason)
+
+    def _observe_end(self, seq: Sequence, reason: str, now: float) -> None:
+        """vLLM's per-request intervals (Finished): queue (arrival to a slot), prefill (slot
+        to first token), decode (first token to the end); those it never reached are None."""
+        admitted, first = seq.admitted_at, seq.first_token_at
+        self._observe("RequestFinished", Finished(
+            reason, len(seq.prompt_ids) if first is not None else None, seq.shown,
+            now - seq.arrived_at,
+            None if admitted is None else admitted - seq.arrived_at,
+            None if admitted is None or first is None else first - admitted,
+            None if first is None else now - first), "")
 
 
 class OutputThread:

@@ -130,7 +130,7 @@ TextItem = tuple[str, str, int]
 #: a request's last event: (request_id, FinishEvent or ErrorEvent)
 FinalItem = tuple[str, "FinishEvent | ErrorEvent"]
 #: a metric observation: (name, value, unit)
-Observation = tuple[str, float, str]
+Observation = tuple[str, object, str]
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ class Sequence:
     slot: int | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None  # output side: when its last tokens went out
     generated: list[int] = field(default_factory=list)  # `extend`: every token kept
     shown: int = 0  # output side: tokens turned into text (a prefix of `generated`)
     cancelled: bool = False

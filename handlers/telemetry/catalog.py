@@ -21,6 +21,7 @@ in milliseconds, a queue that is often empty).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 #: every family carries the served model's name, as vLLM's do
 MODEL_LABEL = "model_name"
@@ -36,6 +37,29 @@ TOKEN_LATENCY_BUCKETS = _FINE + (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 
 REQUEST_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1) + (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Finished(NamedTuple):
+    """A request's end, as the engine observes it ("RequestFinished"): vLLM's per-request
+    intervals, in seconds of one host's monotonic clock. None where the request never got
+    there (an error while it waited has no prefill)."""
+
+    reason: str  # FINISH_REASONS
+    prompt_tokens: int | None
+    generation_tokens: int | None  # delivered to the client
+    e2e_s: float  # arrival in the worker to the end
+    queue_s: float | None  # arrival to a slot
+    prefill_s: float | None  # slot to the first token
+    decode_s: float | None  # first token to the last
+
+
+class SpecDecode(NamedTuple):
+    """A speculative decode step's counts over its sequences ("SpecDecode")."""
+
+    drafts: int  # one per sequence
+    draft_tokens: int  # the draft's proposals: speculation length per sequence
+    accepted: int  # proposals the target kept
+    emitted: int  # tokens the step produced: accepted plus the target's own, per sequence
 
 
 def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
@@ -61,6 +85,10 @@ class Family:
     #: prometheus_client's multiprocess mode for a gauge: how the workers' values combine
     mode: str = "sum"
     vllm: bool = True  # vLLM has this metric, with this meaning
+    #: "worker": each worker records it (handlers/telemetry/recorder.py); "router": computed
+    #: when /metrics is read (handlers/telemetry/exposition.py)
+    source: str = "worker"
+    per_model: bool = True  # labelled by model_name
 
     @property
     def exposed(self) -> str:
@@ -76,7 +104,7 @@ FAMILIES = (
            "Number of requests waiting to be processed (queued for a slot)."),
     Family("vllm:kv_cache_usage_perc", "gauge",
            "KV-cache usage: busy slots over slots, 1 means 100 percent (each slot holds one "
-           "sequence's whole KV cache)."),
+           "sequence's whole KV cache).", source="router"),
     # tokens and finished requests
     Family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed."),
     Family("vllm:generation_tokens", "counter",
@@ -127,6 +155,10 @@ FAMILIES = (
     Family("inf2serve_worker_heartbeat_timestamp_seconds", "gauge",
            "When a worker last reported, in seconds since the epoch (every few seconds while "
            "it lives).", labels=("worker",), mode="max", vllm=False),
+    Family("inf2serve_upstream_up", "gauge",
+           "Whether an exporter beside the server answered this scrape (upstream: "
+           "torchserve, neuron-monitor): 1 yes, 0 no.", labels=("upstream",), vllm=False,
+           source="router", per_model=False),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}
