@@ -31,7 +31,7 @@ from handlers.engine.messages import LastWords
 from handlers.engine.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.errors import CapacityError, RequestError
 from handlers.torchserve import worker_service
-from handlers.torchserve.metrics import MetricsReporter, worker_id
+from handlers.torchserve.metrics import MetricsReporter, recorder_for, worker_id
 from handlers.torchserve.service import GenerationService
 
 logger = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ class GenerationHandler:
                         "handlers/torchserve/worker_service.py")
         overridden = type(self).make_backend is not GenerationHandler.make_backend
         self.service = GenerationService.create(
-            config, model_dir, self._observer(context),
+            config, model_dir, self._observer(context, config),
             make_backend=partial(_subclass_backend, type(self), config, model_dir)
             if overridden else None)
         self.initialized = True
@@ -387,8 +387,9 @@ class GenerationHandler:
         return self._sender
 
     @staticmethod
-    def _observer(context: Any) -> Observer:
-        """Engine observations -> TorchServe custom metrics, emitted by the thread of
+    def _observer(context: Any, config: ModelConfig) -> Observer:
+        """Engine observations -> the server's metrics (vLLM's names, for the router's
+        /metrics) and TorchServe custom metrics, by the thread of
         handlers/torchserve/metrics.py (TorchServe's metric objects log a line per update)."""
         from ts.metrics.metric_type_enum import MetricTypes
 
@@ -401,7 +402,11 @@ class GenerationHandler:
                                                                   types[kind])
             cache[name].add_or_update(value, list(labels.values()))
 
-        return MetricsReporter(emit, context.model_name, worker_id()).start().observe
+        worker = worker_id()
+        recorder = recorder_for(context.model_name, worker, config.handler.batch_size,
+                                config.handler.max_length)
+        return MetricsReporter(emit, context.model_name, worker,
+                               recorder=recorder).start().observe
 
 
 def _subclass_backend(cls: type[GenerationHandler], config: ModelConfig,

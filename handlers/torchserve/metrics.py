@@ -12,6 +12,11 @@ set, not added, and each worker of a model sets its own.
 The engine thread only calls `observe` (a queue put). A daemon thread aggregates what
 arrived over `interval_s` and emits one counter increment per changed series, so a
 burst of requests costs a few metric lines, not a few per request.
+
+These TorchServe names are deprecated: the server's metrics under vLLM's names
+(handlers/telemetry) are recorded by the same thread, into the directory the router's
+/metrics reads (docs/monitoring.md), and the thread beats a heartbeat there every few
+seconds while the worker lives. The names above go in the release after next.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
+
+from handlers.telemetry.recorder import HEARTBEAT_S, PrometheusRecorder, metrics_dir
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +94,27 @@ def worker_id(argv: Sequence[str] | None = None) -> str:
     return str(os.getpid())
 
 
+def recorder_for(model: str, worker: str, slots: int, max_length: int
+                 ) -> PrometheusRecorder | None:
+    """The worker's recorder of vLLM-named metrics, where the server collects them
+    (INF2SERVE_METRICS_DIR); None without one, or if it cannot start (logged: metrics must
+    never stop a worker from serving)."""
+    directory = metrics_dir()
+    if directory is None:
+        return None
+    try:
+        return PrometheusRecorder(directory, model, worker, slots, max_length)
+    except Exception:
+        logger.exception("the metrics of %s cannot be recorded in %s", model, directory)
+        return None
+
+
 class MetricsReporter:
     """The engine's observer: `observe` queues, a daemon thread aggregates and emits."""
 
-    def __init__(self, emit: Emit, model: str, worker: str, interval_s: float = 0.5) -> None:
-        self._emit, self.interval_s = emit, interval_s
+    def __init__(self, emit: Emit, model: str, worker: str, interval_s: float = 0.5,
+                 recorder: PrometheusRecorder | None = None) -> None:
+        self._emit, self.interval_s, self.recorder = emit, interval_s, recorder
         self._labels = {"ModelName": model}
         self._gauge_labels = {"ModelName": model, "WorkerId": worker}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -98,7 +122,7 @@ class MetricsReporter:
         self._gauges: dict[str, float] = {}
         self._thread: threading.Thread | None = None
 
-    def observe(self, name: str, value: float, unit: str) -> None:
+    def observe(self, name: str, value: Any, unit: str) -> None:
         self._queue.put((name, value, unit))
 
     def start(self) -> MetricsReporter:
@@ -113,13 +137,25 @@ class MetricsReporter:
 
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
+            try:
+                first = self._queue.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                self._beat()
+                continue
             time.sleep(self.interval_s)  # let a burst gather
             try:
                 if not self.flush([first]):
                     return
             except Exception:  # metrics must never take the worker down
                 logger.exception("emitting metrics failed")
+            self._beat()
+
+    def _beat(self) -> None:
+        if self.recorder is not None:
+            try:
+                self.recorder.heartbeat()
+            except Exception:
+                logger.exception("the metrics heartbeat failed")
 
     def flush(self, items: list | None = None) -> bool:
         """Aggregate `items` and whatever is queued, emit; False once stop was asked."""
@@ -135,7 +171,11 @@ class MetricsReporter:
             if item is None:
                 continue
             name, value, unit = item
-            kind = KINDS.get(name, "counter")
+            if self.recorder is not None:
+                self.recorder.record(name, value)
+            kind = KINDS.get(name)  # None: a name only the recorder knows
+            if kind is None:
+                continue
             if kind == "histogram":
                 self._histograms.setdefault(name, Histogram()).observe(value)
             elif kind == "gauge":

@@ -1,4 +1,5 @@
 import os
+import time
 
 from handlers.engine.core import Engine
 from handlers.engine.scheduler import Scheduler
@@ -70,6 +71,47 @@ def test_reporter_thread_emits_off_the_caller_and_stops():
     reporter.observe("EngineQueueTime", 7.0, "ms")
     reporter.stop()
     assert ("EngineQueueTime_count", "count", "counter", 1, {"ModelName": "tiny"}) in lines
+
+
+class SpyRecorder:
+    """Stands for handlers/telemetry/recorder.PrometheusRecorder: what it was handed."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple] = []
+        self.beats = 0
+
+    def record(self, name, value) -> None:
+        self.records.append((name, value))
+
+    def heartbeat(self) -> None:
+        self.beats += 1
+
+
+def test_the_recorder_gets_every_observation_and_torchserve_only_its_own_names():
+    lines, emit = recorder()
+    spy = SpyRecorder()
+    reporter = MetricsReporter(emit, "tiny", "9000", recorder=spy)
+    finished = ("stop", 3, 4, 0.5, 0.0, 0.1, 0.4)
+    reporter.observe("RequestFinished", finished, "")
+    reporter.observe("InterTokenLatency", (0.01, 0.02), "s")
+    reporter.observe("GeneratedTokens", 4, "count")
+    reporter.flush()
+    assert spy.records == [("RequestFinished", finished), ("InterTokenLatency", (0.01, 0.02)),
+                           ("GeneratedTokens", 4)]
+    assert [line[0] for line in lines] == ["GeneratedTokens"]  # the old names only
+
+
+def test_an_idle_worker_still_beats(monkeypatch):
+    import handlers.torchserve.metrics as metrics
+
+    monkeypatch.setattr(metrics, "HEARTBEAT_S", 0.01)
+    spy = SpyRecorder()
+    reporter = MetricsReporter(recorder()[1], "tiny", "9000", recorder=spy).start()
+    deadline = time.monotonic() + 10
+    while spy.beats < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reporter.stop()
+    assert spy.beats >= 3  # with nothing observed
 
 
 def test_engine_reports_waiting_and_busy_after_steps_only_on_change():
