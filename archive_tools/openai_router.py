@@ -11,6 +11,12 @@ reads only the `model` field, forwards the request unchanged -- the client's bea
 included, so TorchServe's own token check is the only auth -- and copies the answer back
 chunk by chunk as it arrives.
 
+It is also the server's one Prometheus scrape target (docs/monitoring.md): `/metrics`
+serves every worker's metrics under vLLM's names, read from the files the workers write
+(handlers/telemetry), followed by TorchServe's own metrics and, with `--neuron-monitor`, the
+device exporter's, each fetched from its port on loopback at scrape time. Like TorchServe's
+metrics port it asks for no token.
+
 A client that leaves frees its slot within a step. TorchServe 0.12 tells a worker nothing
 of a disconnect (docs/design.md), but this router holds the client's connection: it names
 each request it forwards (the `x-inf2serve-client-id` header), and when the client goes
@@ -50,6 +56,7 @@ from handlers.api.openai_framing import error_object as error
 from handlers.api.openai_framing import sse
 from handlers.api.request import brief, decode_body
 from handlers.errors import Inf2ServeError, RequestError
+from handlers.telemetry.exposition import CONTENT_TYPE, render
 
 log = logging.getLogger("inf2serve.router")
 #: TorchServe's own default max_request_size: a bigger body would be a 413 there anyway
@@ -96,6 +103,18 @@ class Upstream:
 
     def cancel_url(self, model: str) -> str:
         return f"{self.url}/predictions/{model}/{self.models[model]}/inf2serve/cancel"
+
+
+@dataclass(frozen=True)
+class MetricsSources:
+    """What /metrics serves: the workers' files, then each exporter's text, in order."""
+
+    directory: str = ""  # INF2SERVE_METRICS_DIR of the server's workers
+    upstreams: tuple[tuple[str, str], ...] = ()  # (name, URL of its /metrics)
+
+    def args(self) -> list[str]:
+        return [*(["--metrics-dir", self.directory] if self.directory else []),
+                *[a for name, url in self.upstreams for a in ("--metrics-from", f"{name}={url}")]]
 
 
 #: TorchServe's own error statuses, with what they mean here (ts/async_service.py:49-81,
@@ -149,7 +168,8 @@ def pick_model(body: bytes, models: dict[str, str]) -> tuple[str | None, dict | 
     return name, None
 
 
-def make_app(upstream: Upstream, read_timeout_s: float = READ_TIMEOUT_S) -> Any:
+def make_app(upstream: Upstream, read_timeout_s: float = READ_TIMEOUT_S,
+             metrics: MetricsSources | None = None) -> Any:
     """The aiohttp application (imported here: the runtime never needs aiohttp's server)."""
     import aiohttp
     from aiohttp import web
@@ -347,8 +367,28 @@ def make_app(upstream: Upstream, read_timeout_s: float = READ_TIMEOUT_S) -> Any:
         except ValueError as exc:
             return answer(502, error(502, f"TorchServe's /ping is no JSON: {exc}"))
 
+    async def scrape(request: web.Request) -> web.Response:
+        sources = metrics or MetricsSources()
+
+        async def fetch(url: str) -> bytes | None:
+            try:
+                async with request.app[client_key].get(
+                        url, headers={"Accept-Encoding": "identity"},
+                        timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    return await r.read() if r.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return None
+
+        texts = await asyncio.gather(*(fetch(url) for _, url in sources.upstreams))
+        directory = Path(sources.directory) if sources.directory else None
+        body = await asyncio.to_thread(
+            render, directory, [(name, text) for (name, _), text in zip(sources.upstreams, texts,
+                                                                         strict=True)])
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
     app = web.Application(client_max_size=MAX_BODY, middlewares=[json_errors])
     app.cleanup_ctx.append(session)
+    app.router.add_get("/metrics", scrape)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_post("/v1/{path:chat/completions|completions}", routed)
@@ -363,7 +403,8 @@ LOG_FILE = "openai_router.log"
 _CHILDREN: dict[int, subprocess.Popen] = {}
 
 
-def start(run_dir: Path, upstream: Upstream, port: int, timeout_s: float = 30) -> str:
+def start(run_dir: Path, upstream: Upstream, port: int, timeout_s: float = 30,
+          metrics: MetricsSources | None = None) -> str:
     """Run the router as its own process (it outlives `inf2serve serve`, as TorchServe does)
     and return its base URL once it answers; its pid goes to RUN_DIR/openai_router.pid."""
     stop(run_dir)
@@ -371,7 +412,8 @@ def start(run_dir: Path, upstream: Upstream, port: int, timeout_s: float = 30) -
     logs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "archive_tools.openai_router", "--upstream", upstream.url,
            "--port", str(port), *[a for name, version in upstream.models.items()
-                                  for a in ("--model", f"{name}={version}")]]
+                                  for a in ("--model", f"{name}={version}")],
+           *(metrics.args() if metrics else [])]
     with open(logs / LOG_FILE, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
@@ -439,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, metavar="S",
                         help="seconds of upstream silence after which a relay gives up "
                         f"(default {READ_TIMEOUT_S:g})")
+    parser.add_argument("--metrics-dir", default="", help="the workers' metrics files")
+    parser.add_argument("--metrics-from", action="append", default=[], metavar="NAME=URL",
+                        help="an exporter whose /metrics text /metrics appends (repeat)")
     args = parser.parse_args(argv)
     from aiohttp import web
 
@@ -446,7 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # handler_cancellation: a client that leaves cancels its handler at once, also while
     # the answer is not streamed, so its request is cancelled upstream (routed's finally)
-    web.run_app(make_app(Upstream(args.upstream.rstrip("/"), models), args.read_timeout),
+    metrics = MetricsSources(args.metrics_dir, tuple(
+        tuple(spec.split("=", 1)) for spec in args.metrics_from))
+    web.run_app(make_app(Upstream(args.upstream.rstrip("/"), models), args.read_timeout,
+                         metrics=metrics),
                 host=args.host, port=args.port, print=None, access_log=None,
                 handler_cancellation=True)
     return 0

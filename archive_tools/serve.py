@@ -32,11 +32,13 @@ from pathlib import Path
 
 import httpx
 
+from archive_tools import neuron_monitor as neuron_monitor_module
 from archive_tools import openai_router, ts_logs
 from archive_tools.jvm_options import FrontendMemory, merge_vmargs
 from archive_tools.ports import free_port
 from archive_tools.ts_logs import FRONTEND_OUT, died_at_load, load_failure, log_sizes, settle
 from handlers.errors import Inf2ServeError
+from handlers.telemetry.recorder import METRICS_DIR_ENV
 
 DEFAULT_RUN_DIR = Path(".serve")
 #: minutes a token lasts (TorchServe's token_expiration_min, 60 by default: ConfigManager.java
@@ -61,6 +63,8 @@ class Server:
     pid: int
     models: tuple[str, ...] = ()  # the models it serves, in --models order
     openai_url: str = ""  # one OpenAI base URL for all of them (archive_tools/openai_router)
+    #: the one Prometheus scrape target: the router's /metrics (docs/monitoring.md)
+    scrape_url: str = ""
 
     def curl_example(self, model: str, prompt: str = "Once upon a time") -> str:
         body = json.dumps({"prompt": prompt, "max_new_tokens": 32})
@@ -279,12 +283,16 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
           workers: int = 1, env: dict[str, str] | None = None, python: str | None = None,
           ready_timeout_s: float = 900, extra_props: dict[str, str] | None = None,
           progress: Progress | None = None, frontend: FrontendMemory | None = None,
-          native_memory_tracking: bool = False, openai_port: int | None = None) -> Server:
+          native_memory_tracking: bool = False, openai_port: int | None = None,
+          neuron_monitor: bool = False) -> Server:
     """Start TorchServe in the background and wait until `models` are READY (all the store's
     archives when `models` is empty); `progress` gets a line per loading model now and then.
     `frontend` bounds the JVM's memory (default FrontendMemory()); `native_memory_tracking`
     lets `jcmd PID VM.native_memory summary` read it (bench/soak.py). `openai_port` (0: a
-    free one) starts the one-base-URL OpenAI router beside it (archive_tools/openai_router)."""
+    free one) starts the one-base-URL OpenAI router beside it (archive_tools/openai_router),
+    whose /metrics is the server's scrape target: the workers' metrics (written to
+    RUN_DIR/metrics, emptied here), TorchServe's, and with `neuron_monitor` the device's
+    (archive_tools/neuron_monitor)."""
     model_store = Path(model_store)
     if not model_store.is_dir():
         raise Inf2ServeError(f"--model-store {model_store}: no such directory")
@@ -307,6 +315,9 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
         raise Inf2ServeError(f"a TorchServe is already running from {run_dir}; "
                              f"stop it with `inf2serve stop --run-dir {run_dir}`")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if neuron_monitor:
+        neuron_monitor_module.find()  # refused in one line before anything starts
+    env = {**(env or {}), METRICS_DIR_ENV: str(_fresh_metrics_dir(run_dir))}
     launch = (run_dir, model_store, specs, models, workers, env, python, ready_timeout_s,
               extra_props, progress, frontend, native_memory_tracking)
     for _ in range(START_ATTEMPTS - 1):
@@ -317,13 +328,20 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
             pass
     else:
         server = _launch(*launch)
-    if openai_port is None:
+    if openai_port is None and not neuron_monitor:
         return server
     try:
-        upstream = openai_router.Upstream(server.inference_url, {
-            m: model_version(server, m) for m in server.models})
-        server = replace(server, openai_url=openai_router.start(
-            run_dir, upstream, openai_port or free_port()))
+        sources = [("torchserve", f"{server.metrics_url}/metrics")]
+        if neuron_monitor:
+            sources.append(("neuron-monitor", neuron_monitor_module.start(run_dir, free_port())))
+        if openai_port is not None:
+            upstream = openai_router.Upstream(server.inference_url, {
+                m: model_version(server, m) for m in server.models})
+            openai_url = openai_router.start(
+                run_dir, upstream, openai_port or free_port(),
+                metrics=openai_router.MetricsSources(env[METRICS_DIR_ENV], tuple(sources)))
+            server = replace(server, openai_url=openai_url,
+                             scrape_url=openai_url.removesuffix("/v1") + "/metrics")
         _write_public(server)
     except BaseException:
         stop(run_dir)
@@ -373,6 +391,15 @@ def _launch(run_dir: Path, model_store: Path, specs: list[str], models: list[str
     return server
 
 
+def _fresh_metrics_dir(run_dir: Path) -> Path:
+    """RUN_DIR/metrics, empty: the workers' files of an earlier server would add to this
+    one's counters."""
+    path = run_dir / "metrics"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    return path
+
+
 def _write_public(server: Server) -> None:
     """RUN_DIR/server.json: addresses only; the tokens stay in TorchServe's key_file.json."""
     public = {k: v if k == "models" else str(v) for k, v in server.__dict__.items()
@@ -415,6 +442,7 @@ def stop(run_dir: Path = DEFAULT_RUN_DIR, timeout_s: float = 60) -> bool:
         raise Inf2ServeError(f"--run-dir {run_dir}: not a directory; pass the --run-dir "
                              "`inf2serve serve` was given (default .serve)")
     openai_router.stop(run_dir)
+    neuron_monitor_module.stop(run_dir)
     pid = _pid(run_dir)
     if not _alive(pid):
         return False

@@ -49,6 +49,8 @@ def describe(server: serve.Server, models: str | Sequence[str], run_dir: str) ->
         f"TorchServe is up (127.0.0.1 only, token auth on), serving {served}:",
         *urls,
         f"  management  {server.management_url}  (model API off)",
+        f"  metrics     {server.scrape_url}  (Prometheus: every model and worker, vLLM's "
+        "names; no token)" if server.scrape_url else
         f"  metrics     {server.metrics_url}/metrics  (Prometheus, no token)",
         f"  tokens      {server.run_dir / 'key_file.json'}  (\"inference\" key for requests)",
         f"  logs        {logs / 'ts_log.log'}, {logs / 'model_log.log'}",
@@ -71,7 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
                    extra_props={"install_py_dep_per_model": "true"}
                    if args.install_py_dep_per_model else None, progress=_say,
                    frontend=_frontend(args.frontend_heap_mb),
-                   openai_port=None if args.openai_port < 0 else args.openai_port)
+                   openai_port=None if args.openai_port < 0 else args.openai_port,
+                   neuron_monitor=args.neuron_monitor)
     print(describe(server, server.models, args.run_dir))
     return 0
 
@@ -117,7 +120,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--openai-port", type=int, default=0, metavar="PORT",
                    help="port of the one OpenAI base URL for every model (GET /v1/models, "
                    "POST /v1/chat/completions routed by `model`; 127.0.0.1, the same token); "
-                   "default: a free port, -1: none")
+                   "default: a free port, -1: none (and no /metrics under vLLM's names)")
+    p.add_argument("--neuron-monitor", action="store_true",
+                   help="run AWS's neuron-monitor and its Prometheus exporter (Neuron tools, "
+                   "/opt/aws/neuron/bin) beside the server; the router's /metrics then "
+                   "carries the device's metrics too (docs/monitoring.md)")
     p.set_defaults(func=_serve)
     t = sub.add_parser(
         "token", help="get a fresh token from a running `inf2serve serve` (tokens expire)",

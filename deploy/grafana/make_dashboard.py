@@ -154,6 +154,12 @@ def panels() -> list[dict]:
                (f"sum by (model_name) (rate(ts_inference_latency_microseconds{{{M}}}[{RATE}]))"
                 f" / 1e6 / sum by (model_name) (rate(ts_inference_requests_total{{{M}}}[{RATE}]))",
                 "mean latency s {{model_name}}")])
+    out.panel("Exporters answering",
+              "Whether TorchServe's metrics port and neuron-monitor's exporter answered the "
+              "router's last scrape (1) or not (0); TorchServe silent is an outage "
+              "(Inf2ServeDown).",
+              [("min by (instance, upstream) (inf2serve_upstream_up)",
+                "{{instance}} {{upstream}}")], max_value=1)
     out.row("Speculative decoding")
     out.panel("Draft acceptance rate",
               "Accepted draft tokens over draft tokens (models compiled with a draft; empty "

@@ -60,12 +60,13 @@ def running_server(store: Path, run_dir: Path, models: list[str],
                    env: dict[str, str] | None = None, workers: int = 1,
                    python: str | None = None, extra_props: dict[str, str] | None = None,
                    openai_port: int | None = None,
-                   ready_timeout_s: float = 300) -> Iterator[serve.Server]:
+                   ready_timeout_s: float = 300,
+                   neuron_monitor: bool = False) -> Iterator[serve.Server]:
     server = None
     try:
         server = serve.start(store, models, run_dir, env=env, workers=workers, python=python,
                              ready_timeout_s=ready_timeout_s, extra_props=extra_props,
-                             openai_port=openai_port)
+                             openai_port=openai_port, neuron_monitor=neuron_monitor)
         yield server
     finally:
         serve.stop(run_dir)
