@@ -178,7 +178,8 @@ def export(archive: Path, out: Path, target: str, *, force: bool = False, link: 
         elif target == "kubernetes":
             write_manifests(built, name, archive.name, cfg, plan, image=k8s.image_for(name),
                             replicas=k8s.replicas, namespace=k8s.namespace,
-                            monitoring=k8s.monitoring)
+                            monitoring=k8s.monitoring,
+                            version=str(summary["manifest"]["model"].get("modelVersion", "1.0")))
         else:
             (built / "config").mkdir()
             (built / "config" / "config.properties").write_text(

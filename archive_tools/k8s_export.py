@@ -15,7 +15,11 @@ bounded by config.properties' `vmargs` (archive_tools/jvm_options.py), and the c
 memory request and limit carry that budget next to the workers' (archive_tools/k8s_plan.py),
 so growth the JVM is allowed cannot get the pod OOM-killed. Probes run inside the container
 (probe.py, stdlib only): liveness asks /ping, readiness asks the loopback management API
-for a READY worker (TorchServe 0.12's /ping stays 200 while workers load).
+for a READY worker (TorchServe 0.12's /ping stays 200 while workers load). Beside it, the
+image's OpenAI router (archive_tools/openai_router.py) gives the pod one OpenAI base URL
+and its one /metrics: every worker's metrics under vLLM's names (written to an emptyDir both
+containers mount), then TorchServe's own; Prometheus scrapes that port, and the HPA scales
+on its load gauges through the Prometheus adapter.
 """
 
 from __future__ import annotations
@@ -32,14 +36,21 @@ import yaml
 from archive_tools.jvm_options import FrontendMemory
 from archive_tools.k8s_monitoring import monitoring_objects
 from archive_tools.k8s_plan import PodPlan
+from handlers.telemetry.recorder import METRICS_DIR_ENV
 
 VERSION = "0.1.0"  # pyproject's version (a test checks): the base image tag carries it
 INFERENCE_PORT, MANAGEMENT_PORT, METRICS_PORT = 8080, 8081, 8082
+#: the router beside TorchServe: the one OpenAI base URL and the pod's /metrics
+ROUTER_PORT = 8090
+#: where the workers write their metrics and the router reads them (an emptyDir both mount)
+WORKER_METRICS_DIR = "/var/run/inf2serve-metrics"
 CONFIG_DIR = "/etc/inf2serve"
 MODEL_STORE = "/models/model-store"
 PROBE_PERIOD_S = 10
-#: the handler's gauges (handlers/torchserve/metrics.py) as the Prometheus adapter renames them
+#: the load gauges (vLLM's names, summed over workers by the router's /metrics) as the
+#: Prometheus adapter names them for the HPA
 WAITING, BUSY = "inf2serve_waiting_requests", "inf2serve_busy_slots"
+ADAPTED = {WAITING: "vllm:num_requests_waiting", BUSY: "vllm:num_requests_running"}
 NVIDIA_GPU_TAINT = "nvidia.com/gpu"  # the taint EKS GPU node groups commonly carry
 
 PROBE = Path(__file__).parent / "data" / "k8s_probe.py"  # ports as above
@@ -115,7 +126,8 @@ def container(name: str, archive: str, image: str, plan: PodPlan) -> dict:
         "workingDir": "/tmp",
         "env": [{"name": "LOG_LOCATION", "value": "/tmp/logs"},
                 {"name": "METRICS_LOCATION", "value": "/tmp/logs"},
-                {"name": "TEMP", "value": "/tmp"}],
+                {"name": "TEMP", "value": "/tmp"},
+                {"name": METRICS_DIR_ENV, "value": WORKER_METRICS_DIR}],
         "ports": [{"name": "http", "containerPort": INFERENCE_PORT},
                   {"name": "metrics", "containerPort": METRICS_PORT}],
         "resources": {"requests": res, "limits": limits},
@@ -127,7 +139,32 @@ def container(name: str, archive: str, image: str, plan: PodPlan) -> dict:
         "livenessProbe": {**_exec("live"), "periodSeconds": 30, "timeoutSeconds": 10,
                           "failureThreshold": 3},
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
+                         {"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "metrics", "mountPath": WORKER_METRICS_DIR}],
+        "securityContext": {"allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def router_container(name: str, version: str, image: str) -> dict:
+    """archive_tools/openai_router.py beside TorchServe, from the same image: the one OpenAI
+    base URL and the pod's /metrics (the workers' files, then TorchServe's metrics port)."""
+    return {
+        "name": "router",
+        "image": image,
+        "command": ["python3", "-m", "archive_tools.openai_router"],
+        "args": ["--upstream", f"http://127.0.0.1:{INFERENCE_PORT}", "--model",
+                 f"{name}={version}", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+                 "--metrics-dir", WORKER_METRICS_DIR, "--metrics-from",
+                 f"torchserve=http://127.0.0.1:{METRICS_PORT}/metrics"],
+        "workingDir": "/tmp",
+        "ports": [{"name": "router", "containerPort": ROUTER_PORT}],
+        "resources": {"requests": {"cpu": "250m", "memory": "192Mi"},
+                      "limits": {"memory": "512Mi"}},
+        "livenessProbe": {"tcpSocket": {"port": "router"}, "periodSeconds": 30,
+                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "volumeMounts": [{"name": "metrics", "mountPath": WORKER_METRICS_DIR,
+                          "readOnly": True}],
         "securityContext": {"allowPrivilegeEscalation": False,
                             "capabilities": {"drop": ["ALL"]}},
     }
@@ -151,10 +188,10 @@ def scheduling(plan: PodPlan) -> dict:
 
 
 def deployment(name: str, ns: str, archive: str, image: str, replicas: int, plan: PodPlan,
-               props: str) -> dict:
+               props: str, version: str = "1.0") -> dict:
     labels = {"app.kubernetes.io/name": name}
     pod_annotations = {
-        "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
+        "prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT),
         "prometheus.io/path": "/metrics",
         "inf2serve/config-sha256": hashlib.sha256(props.encode()).hexdigest()[:16]}
     return {
@@ -178,11 +215,14 @@ def deployment(name: str, ns: str, archive: str, image: str, replicas: int, plan
                              "annotations": pod_annotations},
                 "spec": {
                     "terminationGracePeriodSeconds": 60,
-                    "containers": [container(name, archive, image, plan)],
+                    "containers": [container(name, archive, image, plan),
+                                   router_container(name, version, image)],
                     "volumes": [
                         {"name": "config", "configMap": {"name": f"{name}-config"}},
                         {"name": "dshm", "emptyDir": {"medium": "Memory",
-                                                      "sizeLimit": f"{plan.shm_gib}Gi"}}],
+                                                      "sizeLimit": f"{plan.shm_gib}Gi"}},
+                        # a few memory-mapped files per worker (1 MiB each), on disk
+                        {"name": "metrics", "emptyDir": {"sizeLimit": "256Mi"}}],
                     **scheduling(plan)}}}}
 
 
@@ -190,7 +230,8 @@ def service(name: str, ns: str) -> dict:
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, ns), "spec": {
         "type": "ClusterIP", "selector": {"app.kubernetes.io/name": name},
         "ports": [{"name": "http", "port": INFERENCE_PORT, "targetPort": "http"},
-                  {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]}}
+                  {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"},
+                  {"name": "router", "port": ROUTER_PORT, "targetPort": "router"}]}}
 
 
 def pdb(name: str, ns: str) -> dict:
@@ -229,17 +270,16 @@ def hpa(name: str, ns: str, replicas: int, cfg: dict) -> dict:
 
 
 def adapter_values() -> dict:
-    """Helm values of prometheus-community/prometheus-adapter exposing the handler's gauges
-    per pod (the series carry namespace and pod from Prometheus' pod discovery)."""
-    def rule(series: str, metric: str) -> dict:
+    """Helm values of prometheus-community/prometheus-adapter exposing the load gauges per
+    pod (the series carry namespace and pod from Prometheus' pod discovery)."""
+    def rule(metric: str, series: str) -> dict:
         return {"seriesQuery": f'{series}{{namespace!="",pod!=""}}',
                 "resources": {"overrides": {"namespace": {"resource": "namespace"},
                                             "pod": {"resource": "pod"}}},
                 "name": {"matches": f"^{series}$", "as": metric},
-                # gauges per WorkerId: a pod's load is their sum
+                # one series per model: a pod's load is their sum
                 "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"}
-    return {"rules": {"default": True, "custom": [rule("WaitingRequests", WAITING),
-                                                   rule("BusySlots", BUSY)]}}
+    return {"rules": {"default": True, "custom": [rule(m, s) for m, s in ADAPTED.items()]}}
 
 
 def configmap(name: str, ns: str, props: str) -> dict:
@@ -255,18 +295,19 @@ def model_dockerfile(base: str) -> str:
 
 def write_manifests(out: Path, name: str, archive: str, cfg: dict, plan: PodPlan, *,
                     image: str, replicas: int, namespace: str,
-                    monitoring: bool = False) -> list[str]:
+                    monitoring: bool = False, version: str = "1.0") -> list[str]:
     """Write every object and kustomization.yaml into `out`; returns the resource files."""
     props = config_properties(name, archive, cfg, plan.frontend)
     objects = {
         "configmap.yaml": configmap(name, namespace, props),
-        "deployment.yaml": deployment(name, namespace, archive, image, replicas, plan, props),
+        "deployment.yaml": deployment(name, namespace, archive, image, replicas, plan, props,
+                                      version),
         "service.yaml": service(name, namespace),
         "pdb.yaml": pdb(name, namespace),
         "hpa.yaml": hpa(name, namespace, replicas, cfg),
     }
     if monitoring:
-        objects.update(monitoring_objects(name, namespace, "metrics",
+        objects.update(monitoring_objects(name, namespace, "router",
                                           neuron=plan.accelerator == "neuron"))
     if namespace != "default":
         objects = {"namespace.yaml": {"apiVersion": "v1", "kind": "Namespace",
@@ -313,7 +354,7 @@ next:
   docker build -t {image} {out} && docker push {image}
   kubectl apply -k {out}
   kubectl -n {opts.namespace} rollout status deployment/{name}
-  # autoscaling on the handler's gauges: helm install prometheus-adapter with
+  # autoscaling on vllm:num_requests_waiting/running: helm install prometheus-adapter with
   #   {out}/prometheus-adapter-values.yaml (until then the HPA scales up on CPU alone)
   # the Service is ClusterIP: put your authenticating gateway in front of {name}:{INFERENCE_PORT}"""
     return steps + watched

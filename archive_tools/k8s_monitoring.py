@@ -1,8 +1,9 @@
 """`inf2serve export --target kubernetes --monitoring`: what the Prometheus operator needs to
 scrape the server and its Inferentia2 devices.
 
-- A PodMonitor for the server's pods (their `metrics` port, every 15 s), which the
-  operator's Prometheus picks up by its podMonitorSelector (docs/monitoring.md).
+- A PodMonitor for the server's pods (the router's port: its /metrics carries every
+  worker's metrics and TorchServe's, every 15 s), which the operator's Prometheus picks up
+  by its podMonitorSelector (docs/monitoring.md).
 - For a Neuron model, AWS's neuron-monitor DaemonSet and its PodMonitor: neuron-monitor and
   its Prometheus exporter in one privileged pod per Inf2 node, as AWS's EKS monitoring runs
   them (aws-neuron/aws-neuron-sdk@81ce03ae:src/k8/k8s-neuron-monitor-daemonset.yml: image,

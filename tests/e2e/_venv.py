@@ -5,7 +5,8 @@ archive (runtime/ inside it), never from an installed toolkit.
 
 Default ("link", about a second): `python -m venv --without-pip`, then a .pth in its
 site-packages pointing at ONE directory of symlinks to exactly the distributions
-torchserve, torch, transformers, tokenizers, safetensors and pyyaml need (their
+torchserve, torch, transformers, tokenizers, safetensors, pyyaml and prometheus-client
+(the workers' metrics, which the base image has with the toolkit) need (their
 requirement closure, resolved from this interpreter's installed metadata, dist-info
 included so version checks work). inf2serve and everything else are absent.
 INF2SERVE_E2E_VENV=pip instead pip-installs the same pins (slow; from the local
@@ -25,9 +26,10 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-ROOTS = ("torchserve", "torch", "transformers", "tokenizers", "safetensors", "pyyaml")
+ROOTS = ("torchserve", "torch", "transformers", "tokenizers", "safetensors", "pyyaml",
+         "prometheus-client")
 PIP_PINS = ("torch==2.13.0+cpu", "transformers==5.23.0", "tokenizers==0.23.3", "safetensors",
-            "torchserve==0.12.0", "pyyaml")
+            "torchserve==0.12.0", "pyyaml", "prometheus-client")
 EXCLUDED = {"inf2serve", "torch-model-archiver"}
 
 

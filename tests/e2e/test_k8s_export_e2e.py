@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,13 +24,14 @@ import pytest
 import yaml
 
 from archive_tools.export import export
-from archive_tools.k8s_export import CONFIG_DIR, MODEL_STORE, K8sOptions
+from archive_tools.k8s_export import CONFIG_DIR, MODEL_STORE, WORKER_METRICS_DIR, K8sOptions
 from archive_tools.package import package
 from archive_tools.ports import free_port
 
 from ._venv import make_serving_venv
 from .test_package_formats import CONFIG, _wait_gone, isolated_ports, stream
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(shutil.which("java") is None, reason="TorchServe needs a Java 17 runtime"),
@@ -44,6 +46,13 @@ def serving_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
+
+
+def _text(url: str) -> str:
+    try:
+        return httpx.get(url, timeout=10).text
+    except httpx.HTTPError as exc:
+        return str(exc)
 
 
 def _run_probe(cmd: list[str], remap, env: dict[str, str]) -> int:
@@ -67,11 +76,12 @@ def test_exported_container_serves_and_streams(tiny_checkpoint: Path, serving_py
                                                tmp_path: Path) -> None:
     archive = package(CONFIG, tiny_checkpoint, "tiny", "no-archive", tmp_path / "store")
     out, _ = export(archive, tmp_path / "k8s", "kubernetes", k8s=K8sOptions(replicas=1))
-    container = _load(out / "deployment.yaml")["spec"]["template"]["spec"]["containers"][0]
+    container, router = _load(out / "deployment.yaml")["spec"]["template"]["spec"]["containers"]
     files = _load(out / "configmap.yaml")["data"]
 
-    # the ConfigMap mount, with this machine's free ports instead of 8080/8081/8082
-    ports = {p: free_port() for p in ("8080", "8081", "8082")}
+    # the ConfigMap mount, with this machine's free ports instead of 8080/8081/8082 (8090:
+    # the router's)
+    ports = {p: free_port() for p in ("8080", "8081", "8082", "8090")}
     props = re.sub(r":(8080|8081|8082)\b", lambda m: f":{ports[m.group(1)]}",
                    files["config.properties"])
     props += "".join(f"{k}={v}\n" for k, v in isolated_ports().items())  # shared machine only
@@ -81,13 +91,16 @@ def test_exported_container_serves_and_streams(tiny_checkpoint: Path, serving_py
     (mount / "probe.py").write_text(files["probe.py"])
     work = tmp_path / "container-tmp"
     work.mkdir()
+    shared = tmp_path / "metrics-volume"  # the emptyDir both containers mount
+    shared.mkdir()
 
     def remap(value: str) -> str:
         for inside, here in ((CONFIG_DIR, mount), (MODEL_STORE, out / "model-store"),
-                             ("/tmp", work)):
+                             ("/tmp", work), (WORKER_METRICS_DIR, shared)):
             if value == inside or value.startswith(inside + "/"):
                 return str(here) + value[len(inside):]
-        return value
+        return re.sub(r"(?<=127\.0\.0\.1:)(8080|8082)\b|^(8090)$",
+                      lambda m: str(ports[m.group(1) or m.group(2)]), value)
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({e["name"]: remap(e["value"]) for e in container["env"]})
@@ -100,6 +113,13 @@ def test_exported_container_serves_and_streams(tiny_checkpoint: Path, serving_py
         proc = subprocess.Popen(cmd, cwd=remap(container["workingDir"]), env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{ports['8080']}"
+    # the router, from this toolkit (the image's python3 has it; here: this interpreter)
+    router_cmd = [sys.executable if a == "python3" else remap(a)
+                  for a in router["command"] + router["args"]]
+    router_cmd[router_cmd.index("--host") + 1] = "127.0.0.1"  # a shared machine: loopback
+    with open(tmp_path / "router.out", "wb") as f:
+        router_proc = subprocess.Popen(router_cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
     try:
         startup = container["startupProbe"]
         deadline = time.monotonic() + startup["periodSeconds"] * startup["failureThreshold"]
@@ -122,12 +142,18 @@ def test_exported_container_serves_and_streams(tiny_checkpoint: Path, serving_py
         # the model API is off: nothing registers models, even from inside the pod
         mgmt = httpx.post(f"http://127.0.0.1:{ports['8081']}/models?url=x.mar", timeout=10)
         assert mgmt.status_code == 405
-        # the handler's gauges reach the metrics port the HPA's adapter scrapes
+        # the pod's /metrics (the router's port, which Prometheus and the HPA's adapter
+        # read): the worker's metrics under vLLM's names, and TorchServe's own
+        expected = ('vllm:time_to_first_token_seconds_count{model_name="tiny"} 1.0',
+                    "vllm:num_requests_running", "ts_inference_requests_total",
+                    'inf2serve_upstream_up{upstream="torchserve"} 1.0')
         deadline = time.monotonic() + 30
-        while "BusySlots" not in (text := httpx.get(
-                f"http://127.0.0.1:{ports['8082']}/metrics", timeout=10).text):
-            assert time.monotonic() < deadline, text[-2000:]
+        while not all(e in (text := _text(f"http://127.0.0.1:{ports['8090']}/metrics"))
+                      for e in expected):
+            assert time.monotonic() < deadline, text[-3000:]
             time.sleep(1)
     finally:
         _stop(proc)
+        router_proc.terminate()
+        router_proc.wait(30)
     _wait_gone(f"{url}/ping", 60)

@@ -108,9 +108,13 @@ def test_kustomization_composes(exported: dict[str, Path]) -> None:
     assert hpa["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert volumes["config"]["configMap"]["name"] == cm["metadata"]["name"]
-    container = dep["spec"]["template"]["spec"]["containers"][0]
-    ports = {p["name"] for p in container["ports"]}
+    ports = {p["name"] for c in dep["spec"]["template"]["spec"]["containers"]
+             for p in c["ports"]}
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
+    volumes = {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["name"] for c in dep["spec"]["template"]["spec"]["containers"]
+              for m in c["volumeMounts"]}
+    assert mounts <= volumes
     for obj in objs.values():
         if obj["kind"] != "Namespace":
             assert obj["metadata"]["namespace"] == "llm"
@@ -135,7 +139,7 @@ def test_torchserve_config_keeps_management_private(exported: dict[str, Path]) -
     assert props["model_metrics_auto_detect"] == "true"  # the gauges the HPA reads
     svc = resources(exported["cpu"])["Service"]
     assert svc["spec"]["type"] == "ClusterIP"
-    assert {p["port"] for p in svc["spec"]["ports"]} == {8080, 8082}
+    assert {p["port"] for p in svc["spec"]["ports"]} == {8080, 8082, 8090}
 
 
 @pytest.mark.parametrize("kind", list(VARIANTS))
@@ -222,8 +226,28 @@ def test_hpa_reads_the_adapter_metrics(exported: dict[str, Path]) -> None:
     rules = yaml.safe_load((exported["neuron"] / "prometheus-adapter-values.yaml").read_text())
     exposed = {r["name"]["as"]: r["seriesQuery"] for r in rules["rules"]["custom"]}
     assert sorted(names) == sorted(exposed)
-    # the series are the handler's gauges (handlers/torchserve/metrics.py KINDS)
-    assert {q.split("{")[0] for q in exposed.values()} == {"WaitingRequests", "BusySlots"}
+    # the series are vLLM's load gauges, which the router's /metrics carries
+    assert {q.split("{")[0] for q in exposed.values()} == {"vllm:num_requests_waiting",
+                                                          "vllm:num_requests_running"}
+    annotations = resources(exported["neuron"])["Deployment"]["spec"]["template"]["metadata"]
+    assert annotations["annotations"]["prometheus.io/port"] == "8090"  # the router's
+
+
+def test_the_router_serves_the_pods_metrics_beside_torchserve(exported: dict[str, Path]) -> None:
+    """The router reads the files TorchServe's workers write: one emptyDir, mounted by
+    both, named to the workers by INF2SERVE_METRICS_DIR; it asks TorchServe on loopback."""
+    torchserve, router = pod(exported["neuron"])["containers"]
+    env = {e["name"]: e["value"] for e in torchserve["env"]}
+    written = env["INF2SERVE_METRICS_DIR"]
+    mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+              for c in (torchserve, router)}
+    assert mounts["torchserve"]["metrics"] == mounts["router"]["metrics"] == written
+    args = router["args"]
+    assert args[args.index("--metrics-dir") + 1] == written
+    assert args[args.index("--metrics-from") + 1] == "torchserve=http://127.0.0.1:8082/metrics"
+    assert args[args.index("--model") + 1] == "tiny-neuron=1.0"  # the archive's version
+    assert router["command"][:3] == ["python3", "-m", "archive_tools.openai_router"]
+    assert router["image"] == torchserve["image"]
 
 
 def test_options_only_for_kubernetes_and_cores_per_instance(
