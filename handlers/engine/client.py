@@ -81,6 +81,7 @@ from handlers.engine.messages import (
 from handlers.engine.scheduler import ErrorEvent, Event, Sink, TextEvent
 from handlers.engine.start import EngineSpec
 from handlers.errors import CapacityError, EngineProcessError
+from handlers.telemetry.catalog import Finished
 
 logger = logging.getLogger(__name__)
 
@@ -342,8 +343,12 @@ class EngineClient:
         logger.error("engine process %d %s: answering its %d request(s) and restarting it",
                      proc.pid, reason, len(lost))
         message = f"the model process {reason}; it is being restarted, retry the request"
+        now = time.monotonic()
         for entry in lost:
             _emit(entry, ErrorEvent(500, message))
+            # its end, for the metrics: an error (what it got before is not known here)
+            self._observe("RequestFinished", Finished(
+                "error", None, None, now - entry.request.arrived_at, None, None, None), "")
         self._observe("WaitingRequests", 0, "count")
         self._observe("BusySlots", 0, "count")
 

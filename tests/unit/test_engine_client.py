@@ -27,6 +27,7 @@ from handlers.engine.messages import EngineRequest, StepOutputs
 from handlers.engine.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.engine.start import EngineSpec
 from handlers.errors import CapacityError, ConfigError
+from handlers.telemetry.catalog import Finished
 from tests.unit.fakes import CharTokenizer, CountingBackend
 
 needs_torch_backend = pytest.mark.skipif(
@@ -112,7 +113,8 @@ def clients():
 
 def test_a_killed_engine_process_fails_its_requests_at_once_then_serves_again(tmp_path,
                                                                                clients):
-    client = start(tmp_path)
+    seen = []
+    client = start(tmp_path, observer=lambda *a: seen.append(a))
     clients.append(client)
     streams = [submit(client, f"r{i}") for i in range(4)]  # 200 steps of 20 ms: ~4 s each
     assert all(s.wait_started() for s in streams)
@@ -122,6 +124,8 @@ def test_a_killed_engine_process_fails_its_requests_at_once_then_serves_again(tm
     for s in streams:
         assert isinstance(s.last, ErrorEvent) and s.last.status == 500
         assert "SIGKILL" in s.last.message and "retry" in s.last.message
+    ends = [Finished(*v) for name, v, _ in seen if name == "RequestFinished"]
+    assert [e.reason for e in ends] == ["error"] * 4  # counted for the metrics, by the worker
     after = submit(client, "after", n=20)  # waits for the new process
     assert after.wait_done(60)
     assert isinstance(after.last, FinishEvent) and after.last.completion_tokens == 20
@@ -279,7 +283,10 @@ def test_metrics_reach_the_workers_observer(tmp_path, clients):
     stream = submit(client, "r", n=5)
     assert stream.wait_done()
     names = {name for name, _, _ in seen}
-    assert {"TimeToFirstToken", "EngineQueueTime", "GeneratedTokens", "BusySlots"} <= names
+    assert {"TimeToFirstToken", "EngineQueueTime", "GeneratedTokens", "BusySlots",
+            "InterTokenLatency", "RequestFinished"} <= names
+    (end,) = [Finished(*value) for name, value, _ in seen if name == "RequestFinished"]
+    assert end.reason == "length" and end.generation_tokens == 5  # across the process boundary
 
 
 def test_a_full_worker_answers_503(tmp_path, clients):
