@@ -317,7 +317,8 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
     run_dir.mkdir(parents=True, exist_ok=True)
     if neuron_monitor:
         neuron_monitor_module.find()  # refused in one line before anything starts
-    env = {**(env or {}), METRICS_DIR_ENV: str(_fresh_metrics_dir(run_dir))}
+    # the workers' metrics (handlers/telemetry); a caller's empty value records none
+    env = {METRICS_DIR_ENV: str(_fresh_metrics_dir(run_dir)), **(env or {})}
     launch = (run_dir, model_store, specs, models, workers, env, python, ready_timeout_s,
               extra_props, progress, frontend, native_memory_tracking)
     for _ in range(START_ATTEMPTS - 1):

@@ -35,6 +35,7 @@ import psutil
 
 from archive_tools.bench_stats import Scenario, ScenarioResult, host_efficiency, percentile
 from archive_tools.loadgen import GenParams, run_scenario
+from bench import metrics_cost
 from bench.warmup import Warmup, settle_jit
 from handlers.backends.synthetic_backend import StepTimer, tighten_timer_slack
 from handlers.presets.synthetic_timing import PRESETS as SYNTHETIC_PRESETS
@@ -62,7 +63,7 @@ PRESET_STREAMS = (1, 8)
 SPEC_TARGET_MS, SPEC_DRAFT_MS, SPEC_LENGTH, SPEC_ACCEPTANCE = 10.0, 1.0, 4, 0.7
 SPEC_STREAMS = (1, 8, 32)
 SPEC_BATCH = 32
-CELLS = ("all", "base", "host-sampling", "presets", "speculation")
+CELLS = ("all", "base", "host-sampling", "presets", "speculation", "metrics")
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,8 @@ class DeviceBound:
     #: / tokens the device produced (1 without speculation: nothing is dropped)
     spec_cells: dict[tuple[bool, int], list[tuple[float, ...]]] = field(default_factory=dict)
     warmup: Warmup | None = None
+    #: the metrics-on-and-off cells (bench/metrics_cost.py); None: not run
+    metrics: metrics_cost.MetricsCost | None = None
     #: (seconds the rounds took, CPU seconds stolen by the hypervisor meanwhile)
     stolen: tuple[float, float] | None = None
 
@@ -275,6 +278,8 @@ class DeviceBound:
             out["speculation"] = {
                 f"{'on' if sp else 'off'} x {c}": [[round(x, 3) for x in r] for r in rounds]
                 for (sp, c), rounds in self.spec_cells.items()}
+        if self.metrics is not None:
+            out["metrics"] = self.metrics.meta()
         if self.preset_cells:
             out["presets"] = {
                 f"{p} x {c}": {"step_ms": round(preset_step_ms(p), 2),
@@ -294,7 +299,7 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
         raise ValueError(f"cells {cells!r}; expected one of {CELLS}")
     if cells == "host-sampling":
         steps_ms, streams = (HOST_SAMPLING_STEP_MS,), (HOST_SAMPLING_STREAMS,)
-    if cells in ("presets", "speculation"):
+    if cells in ("presets", "speculation", "metrics"):
         steps_ms, streams = (), ()
     variants = tuple(HOST_SAMPLING_PARAMS) if cells in ("all", "host-sampling") else ()
     presets = PRESETS if cells in ("all", "presets") else ()
@@ -307,6 +312,10 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
         specs.append(archive(HOST_SAMPLING_STEP_MS, threads, HOST_SAMPLING_VOCAB))
     specs += [preset_archive(p, threads) for p in presets]
     specs += [speculation_archive(sp, threads) for sp in speculation]
+    if cells in ("all", "metrics"):  # two servers of their own, before this one starts
+        out.metrics = metrics_cost.run(ckpt, work, prompts, rounds)
+    if not specs:
+        return out
     store = build_store(work / "device", ckpt, specs)
     params = GenParams(max_new_tokens=NEW_TOKENS)  # the synthetic model never emits EOS
     runs: dict[tuple[float, int] | str, list[ScenarioResult]] = {}
@@ -420,6 +429,8 @@ def summary_section(dev: DeviceBound) -> str:
         lines += _preset_table(dev)
     if dev.spec_cells:
         lines += _speculation_table(dev)
+    if dev.metrics is not None:
+        lines += metrics_cost.table(dev.metrics)
     o = dev.lateness
     d, t = o["device_step"], o["time_sleep"]
     lines += [f"A {o['target_ms']:g} ms device step ends late by {d['median_us']} us "

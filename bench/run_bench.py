@@ -23,9 +23,9 @@ One run, one machine, the same torch thread count everywhere:
 Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 30 minutes on 2 cores);
 `--only device-bound` (`make bench-device`, a few minutes) reruns just step 4 and replaces
 its part of an existing report; `--device-cells host-sampling` (or `base`, `presets`,
-`speculation`) runs only those cells of it -- for a quick look, into another --out, since the
-report then holds only them. `--replot` redraws bench.md and the PNGs from --out's bench.json
-alone, running nothing.
+`speculation`, `metrics`) runs only those cells of it -- for a quick look, into another --out,
+since the report then holds only them. `--replot` redraws bench.md and the PNGs from --out's
+bench.json alone, running nothing.
 """
 
 from __future__ import annotations
@@ -377,7 +377,8 @@ def main() -> int:
     ap.add_argument("--device-cells", choices=device_bound.CELLS, default="all",
                     help="device-bound cells to run: every (step, streams) cell ('base'), "
                     "the host-sampling ones, the published-preset ones ('presets'), speculation "
-                    "with and without ('speculation'), or all")
+                    "with and without ('speculation'), the server's metrics on and off "
+                    "('metrics'), or all")
     ap.add_argument("--pair-ratios", type=int, nargs=2, default=[29, 5], metavar=("AT8", "AT32"),
                     help="continuous/micro ratios at 8 and 32 streams, each from that many + 2 "
                     "alternating closed-loop runs (~11 and ~23 s a run here). 8 streams gets "
