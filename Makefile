@@ -50,7 +50,7 @@ PY310 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python3.10) \
 VENV310 := .venv310
 STAMP310 := $(VENV310)/.installed
 # llguidance at the floor pyproject.toml accepts (1.6: the last built for glibc 2.17)
-PY310_DEPS := pyyaml numpy safetensors httpx aiohttp rich psutil pytest jsonschema \
+PY310_DEPS := pyyaml numpy safetensors httpx aiohttp rich psutil pytest jsonschema prometheus-client \
 	transformers==4.57.6 tokenizers==0.22.2 huggingface_hub==0.36.0 llguidance==1.6.0
 PY310_TESTS := tests/unit/test_py310_runtime.py tests/unit/test_scheduler.py \
 	tests/unit/test_engine.py tests/unit/test_engine_client.py tests/unit/test_request.py \
