@@ -86,6 +86,9 @@ class PrometheusRecorder:
             elif not family.labels:
                 self._child(family.name)
         self._child("inf2serve_slots").set(slots)
+        # a (re)started worker holds no request: a dead predecessor's load is not ours
+        self._child("vllm:num_requests_running").set(0)
+        self._child("vllm:num_requests_waiting").set(0)
         self._last_beat = 0.0
         self.heartbeat()
 

@@ -16,7 +16,7 @@ burst of requests costs a few metric lines, not a few per request.
 These TorchServe names are deprecated: the server's metrics under vLLM's names
 (handlers/telemetry) are recorded by the same thread, into the directory the router's
 /metrics reads (docs/monitoring.md), and the thread beats a heartbeat there every few
-seconds while the worker lives. The names above go in the release after next.
+seconds while the worker lives. The names above go in the next release.
 """
 
 from __future__ import annotations

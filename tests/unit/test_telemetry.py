@@ -149,12 +149,15 @@ def test_speculation_counts_drafts_and_acceptance(workers) -> None:
         assert value(got[family], family + "_total", model_name="spec") == total
 
 
-def test_a_restarted_worker_continues_its_counters(workers) -> None:
-    workers("a", "9000").record("RequestFinished", tuple(finished()))
+def test_a_restarted_worker_continues_its_counters_not_its_load(workers) -> None:
+    dead = workers("a", "9000")
+    dead.record("RequestFinished", tuple(finished()))
+    dead.record("BusySlots", 3)  # then it died with three requests in its slots
     again = workers("a", "9000")  # the same worker id: the same files
     again.record("RequestFinished", tuple(finished()))
     got = scrape(workers.directory)
     assert value(got["vllm:generation_tokens"], "vllm:generation_tokens_total") == 18
+    assert value(got["vllm:num_requests_running"], "vllm:num_requests_running") == 0
     assert len(list(workers.directory.iterdir())) == 4  # counter, gauge sum/max, histogram
 
 
