@@ -314,6 +314,7 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
     specs += [speculation_archive(sp, threads) for sp in speculation]
     if cells in ("all", "metrics"):  # two servers of their own, before this one starts
         out.metrics = metrics_cost.run(ckpt, work, prompts, rounds)
+        out.results.update(out.metrics.results())
     if not specs:
         return out
     store = build_store(work / "device", ckpt, specs)

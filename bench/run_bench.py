@@ -74,7 +74,8 @@ FAMILY_TITLES = {
     "device": "synthetic device (fixed decode step, no model compute)",
     "device-host-sampling": "synthetic device, host sampling of 128,256-token logits",
     "device-presets": "synthetic device replaying published bf16 / int8 step times",
-    "device-speculation": "synthetic device, speculative decoding on and off"}
+    "device-speculation": "synthetic device, speculative decoding on and off",
+    "device-metrics": "synthetic device, the server's metrics on and off"}
 
 
 class InProcess:
@@ -287,7 +288,8 @@ def device_family(label: str) -> str:
     efficiency over 1-64 streams, host sampling at 32, published presets at 1 and 8,
     speculation), so each kind is plotted apart and no cell's lone point sits among lines."""
     for prefix, family in ((device_bound.host_sampling_model(), "device-host-sampling"),
-                           ("preset-", "device-presets"), ("spec-", "device-speculation")):
+                           ("preset-", "device-presets"), ("spec-", "device-speculation"),
+                           ("metrics-", "device-metrics")):
         if label.startswith(prefix):
             return family
     return "device"

@@ -167,12 +167,12 @@ class MetricsReporter:
                 break
         counters: dict[tuple[str, str], float] = {}
         gauges: dict[str, float] = {}
+        if self.recorder is not None:  # one batch: each write costs microseconds
+            self.recorder.record_all((item[0], item[1]) for item in items if item is not None)
         for item in items:
             if item is None:
                 continue
             name, value, unit = item
-            if self.recorder is not None:
-                self.recorder.record(name, value)
             kind = KINDS.get(name)  # None: a name only the recorder knows
             if kind is None:
                 continue

@@ -80,8 +80,8 @@ class SpyRecorder:
         self.records: list[tuple] = []
         self.beats = 0
 
-    def record(self, name, value) -> None:
-        self.records.append((name, value))
+    def record_all(self, items) -> None:
+        self.records += list(items)
 
     def heartbeat(self) -> None:
         self.beats += 1

@@ -174,3 +174,35 @@ def test_upstream_exporters_are_appended_and_their_health_shown(workers) -> None
 def test_a_worker_id_must_be_digits(workers) -> None:
     with pytest.raises(ValueError, match="digits"):
         workers("a", "w_1")
+
+
+def test_a_batch_writes_what_one_at_a_time_would(workers, tmp_path) -> None:
+    """The reporter hands a worker's observations over in batches: a gauge's last value, a
+    counter's sum and one increment per histogram bucket come out as one observation at a
+    time would (a value on a bound lands in that bound's bucket: le is inclusive)."""
+    items = [("BusySlots", 3), ("InterTokenLatency", (0.01, 0.01, 0.0101, 0.9, 50.0)),
+             ("TimeToFirstToken", 40.0), ("RequestFinished", tuple(finished())),
+             ("RequestFinished", tuple(finished("stop", gen=1))), ("BusySlots", 2),
+             ("SpecDecode", (2, 6, 3, 5)), ("SpecDecode", (1, 3, 3, 4))]
+    workers("batched", "9000").record_all(items)
+    one = workers("single", "9001")
+    for name, observed in items:
+        one.record(name, observed)
+    got = scrape(workers.directory)
+    for family, samples in got.items():
+        batched = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items()
+                                         if k != "model_name"))): s.value
+                   for s in samples if s.labels.get("model_name") == "batched"}
+        single = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items()
+                                        if k != "model_name"))): s.value
+                  for s in samples if s.labels.get("model_name") == "single"}
+        if family == "inf2serve_worker_heartbeat_timestamp_seconds":
+            continue
+        assert batched.keys() == single.keys(), family
+        for key in batched:
+            assert batched[key] == pytest.approx(single[key]), (family, key)
+    itl = got["vllm:inter_token_latency_seconds"]
+    assert value(itl, "vllm:inter_token_latency_seconds_bucket", model_name="batched",
+                 le="0.01") == 2
+    assert value(got["vllm:num_requests_running"], "vllm:num_requests_running",
+                 model_name="batched") == 2
