@@ -4,11 +4,11 @@ in paired rounds (docs/monitoring.md says what "on" records).
 Two servers run side by side on the same synthetic device archive (10 ms steps, batch 64):
 "on" as `inf2serve serve` runs it -- every worker records the engine's observations under
 vLLM's names into memory-mapped files, and a scraper reads the router's /metrics every 5 s
-as Prometheus would (three times as often as the export's PodMonitor) -- and "off" with no metrics directory, so the workers record
-nothing of that (TorchServe's own metrics, and the handler's old names, run in both). Each
-round runs both at each stream count, their order alternating, so drift on a shared
-machine hits both alike; the figure is the median over rounds of each round's on/off
-ratio. Never a hardware result.
+as Prometheus would (three times as often as the export's PodMonitor) -- and "off" with no
+metrics directory, so the workers record nothing of that (TorchServe's own metrics, and the
+handler's old names, run in both). Each round runs both at each stream count, their order
+alternating, so drift on a shared machine hits both alike; the figure is the median over
+rounds of each round's on/off ratio. Never a hardware result.
 """
 
 from __future__ import annotations
