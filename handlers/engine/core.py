@@ -38,6 +38,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import NamedTuple
@@ -49,7 +50,7 @@ from handlers.telemetry.catalog import Finished, SpecDecode
 logger = logging.getLogger(__name__)
 
 #: observer(name, value, unit) for metrics such as time to first token; the value is a
-#: number, but for "InterTokenLatency" (a step's intervals, a tuple of seconds),
+#: number, but for "InterTokenLatency" (a step's intervals: (seconds, how many) pairs),
 #: "RequestFinished" (a `Finished`) and "SpecDecode" (a `SpecDecode`): tuples, which cross
 #: the process boundary as they are (handlers/telemetry/recorder.py reads them)
 Observer = Callable[[str, object, str], None]
@@ -456,8 +457,8 @@ class Engine:
                 seq.done = True
                 self._observe_end(seq, "abort" if what.status == 499 else "error", now)
                 out.append((seq, what))
-        if gaps:
-            self._observe("InterTokenLatency", tuple(gaps), "s")
+        if gaps:  # most rows of a step share their gap (the last step's output time)
+            self._observe("InterTokenLatency", tuple(Counter(gaps).items()), "s")
         deliver(out)
         self._after_step()
 

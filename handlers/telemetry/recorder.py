@@ -130,19 +130,20 @@ class _Batch:
     def __init__(self) -> None:
         self.gauges: dict[tuple[str, tuple[str, ...]], float] = {}
         self.counters: dict[tuple[str, tuple[str, ...]], float] = {}
-        self.histograms: dict[str, list[float]] = {}
+        #: family -> (value, how many times) pairs
+        self.histograms: dict[str, list[tuple[float, int]]] = {}
 
     def count(self, family: str, amount: float, *labels: str) -> None:
         key = (family, labels)
         self.counters[key] = self.counters.get(key, 0.0) + amount
 
-    def observe(self, family: str, value: float) -> None:
-        self.histograms.setdefault(family, []).append(value)
+    def observe(self, family: str, value: float, times: int = 1) -> None:
+        self.histograms.setdefault(family, []).append((value, times))
 
     def add(self, name: str, value: Any) -> None:
         if name == "RequestFinished":
             self.finished(Finished(*value))
-        elif name == "InterTokenLatency":
+        elif name == "InterTokenLatency":  # a step's (seconds, how many) pairs
             self.histograms.setdefault("vllm:inter_token_latency_seconds", []).extend(value)
         elif name == "TimeToFirstToken":
             self.observe("vllm:time_to_first_token_seconds", value / 1000)
@@ -170,22 +171,26 @@ class _Batch:
             self.observe(family, seconds)
 
 
-def _observe_all(histogram: Any, values: list[float]) -> None:
-    """`histogram.observe(v)` for each value, as one increment per bucket and one of the sum.
-    prometheus_client keeps a histogram's buckets non-cumulative (`_buckets[i]` counts the
-    values whose first bound >= v lies at i, `_upper_bounds` ending in +Inf) and offers no
-    batch call, so this reaches into those attributes; a client without them is served one
-    value at a time."""
+def _observe_all(histogram: Any, values: list[tuple[float, int]]) -> None:
+    """`histogram.observe(v)` n times for each (v, n), as one increment per bucket and one of
+    the sum. prometheus_client keeps a histogram's buckets non-cumulative (`_buckets[i]`
+    counts the values whose first bound >= v lies at i, `_upper_bounds` ending in +Inf) and
+    offers no batch call, so this reaches into those attributes; a client without them is
+    served one value at a time."""
     bounds = getattr(histogram, "_upper_bounds", None)
     buckets = getattr(histogram, "_buckets", None)
     total = getattr(histogram, "_sum", None)
     if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for value in values:
-            histogram.observe(value)
+        for value, times in values:
+            for _ in range(times):
+                histogram.observe(value)
         return
-    for index, n in Counter(bisect.bisect_left(bounds, v) for v in values).items():
-        buckets[index].inc(n)  # le is inclusive: the first bound >= v
-    total.inc(sum(values))
+    counts: Counter[int] = Counter()
+    for value, times in values:
+        counts[bisect.bisect_left(bounds, value)] += times  # le is inclusive: first bound >= v
+    for index, n in counts.items():
+        buckets[index].inc(n)
+    total.inc(sum(value * times for value, times in values))
 
 
 def _intervals(done: Finished) -> Iterable[tuple[str, float]]:

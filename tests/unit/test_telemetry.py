@@ -83,7 +83,7 @@ def test_workers_of_a_model_add_up_and_models_stay_apart(workers) -> None:
         rec.record("TimeToFirstToken", 30.0)  # ms, as the engine observes it
         rec.record("RequestFinished", tuple(finished()))
     a2.record("RequestFinished", tuple(finished("abort", gen=2)))
-    a1.record("InterTokenLatency", (0.012, 0.011, 0.013))
+    a1.record("InterTokenLatency", ((0.012, 1), (0.011, 2)))
     got = scrape(workers.directory)
     run = got["vllm:num_requests_running"]
     assert value(run, "vllm:num_requests_running", model_name="a") == 5
@@ -180,7 +180,8 @@ def test_a_batch_writes_what_one_at_a_time_would(workers, tmp_path) -> None:
     """The reporter hands a worker's observations over in batches: a gauge's last value, a
     counter's sum and one increment per histogram bucket come out as one observation at a
     time would (a value on a bound lands in that bound's bucket: le is inclusive)."""
-    items = [("BusySlots", 3), ("InterTokenLatency", (0.01, 0.01, 0.0101, 0.9, 50.0)),
+    items = [("BusySlots", 3), ("InterTokenLatency", ((0.01, 2), (0.0101, 1), (0.9, 1),
+                                                       (50.0, 3))),
              ("TimeToFirstToken", 40.0), ("RequestFinished", tuple(finished())),
              ("RequestFinished", tuple(finished("stop", gen=1))), ("BusySlots", 2),
              ("SpecDecode", (2, 6, 3, 5)), ("SpecDecode", (1, 3, 3, 4))]
