@@ -171,7 +171,7 @@ def refused_in_one_line(code: int, err: str, expected: str) -> None:
 
 
 class Handler(GenerationHandler):
-    _observer = staticmethod(lambda context: None)  # no TorchServe metrics here
+    _observer = staticmethod(lambda context, config: None)  # no TorchServe metrics here
 
 
 def start_worker(model_dir: Path) -> Handler:
