@@ -354,6 +354,10 @@ def draft_entries(config: ModelConfig, checkpoint: Path, draft: Path | None,
             raise Inf2ServeError(f"{key} is {name!r} but no --draft-checkpoint was given; pass "
                                  f"the draft model's checkpoint directory (packaged at {name}/)")
         return []
+    if config.handler.backend not in NEURON_BACKENDS:
+        raise Inf2ServeError(f"--draft-checkpoint {draft}: speculative decoding runs on the "
+                             f"Neuron backends only (neuron, nxdi), and handler.backend is "
+                             f"{config.handler.backend!r}; leave out the flag")
     if not name:
         raise Inf2ServeError(f"--draft-checkpoint {draft}: {key} is not set; set it (e.g. "
                              "'draft', where the archive holds the draft) or leave out the flag")

@@ -625,6 +625,38 @@ def _legacy_nxdi(handler: dict[str, Any]) -> dict[str, Any]:
     return {**handler, "nxdi": nxdi, "neuron": neuron}
 
 
+#: the settings only the Neuron backends read, and those backends
+NEURON_ONLY = {"neuron": ("neuron", "nxdi"), "nxdi": ("nxdi",)}
+
+
+def _changed(value: Any, default: Any, path: str) -> list[str]:
+    """The dotted keys where a settings block differs from its defaults (nested blocks
+    by their own keys: handler.neuron.quantization.weights)."""
+    if not dataclasses.is_dataclass(value):
+        return [] if value == default else [path]
+    return [key for f in dataclasses.fields(value)
+            for key in _changed(getattr(value, f.name), getattr(default, f.name),
+                                f"{path}.{_yaml_key(f)}")]
+
+
+def _refuse_neuron_only(h: HandlerConfig) -> None:
+    """A Neuron-only setting on a backend that never reads it (handler.neuron.quantization
+    on torch, say) is refused by name rather than ignored: the user expects int8 weights or
+    speculation and would silently get neither. Only values other than the defaults count,
+    so a config written out whole (ModelConfig.to_yaml_dict) still loads; a legacy
+    handler.neuron.amp on torch is gone before this (_legacy_amp: it never applied there)."""
+    if h.backend not in ("torch", "synthetic"):
+        return
+    for section, readers in NEURON_ONLY.items():
+        value = getattr(h, section)
+        keys = _changed(value, type(value)(), f"handler.{section}")
+        if keys:
+            raise ConfigError(f"{', '.join(keys)}: set, but handler.backend is {h.backend!r}, "
+                              f"which never reads handler.{section} (only "
+                              f"{' and '.join(readers)} do); remove it, or set "
+                              f"handler.backend: {readers[0]}")
+
+
 def parse_config(data: dict[str, Any] | None) -> ModelConfig:
     """Build a validated ModelConfig from the YAML mapping (TorchServe keys + `handler:`)."""
     if data is not None and not isinstance(data, dict):
@@ -638,15 +670,18 @@ def parse_config(data: dict[str, Any] | None) -> ModelConfig:
     cfg = ModelConfig(frontend=_build(FrontendConfig, data), handler=_build(HandlerConfig, handler,
                                                                               "handler"))
     _cross_check(cfg)
+    _refuse_neuron_only(cfg.handler)  # last: a misspelt key or a bad value is named first
     return cfg
 
 
 def load_config(path: str | Path) -> ModelConfig:
+    from handlers.config_yaml import load_yaml
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"), path)  # a key given twice: refused
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     return parse_config(data)

@@ -68,7 +68,8 @@ def test_yaml_errors(tmp_path):
 
 def test_compilation_worker_count_defaults_to_one_graph_at_a_time():
     assert parse_config({}).handler.neuron.compilation_worker_count == 1
-    every = parse_config({"handler": {"neuron": {"compilation_worker_count": 0}}})
+    every = parse_config({"handler": {"backend": "neuron",
+                                      "neuron": {"compilation_worker_count": 0}}})
     assert every.handler.neuron.compilation_worker_count == 0  # the SDK's default: all at once
 
 
@@ -292,3 +293,28 @@ def test_speculation_keeps_length_positions_free_of_the_token_limit():
     assert parse_config({"handler": {"backend": "neuron", "max_length": 64,
                                      "max_new_tokens_limit": 59,
                                      "defaults": {"max_new_tokens": 8}, "neuron": spec}})
+
+
+@pytest.mark.parametrize("backend", ["torch", "synthetic"])
+@pytest.mark.parametrize("handler, named", [
+    ({"neuron": {"quantization": {"weights": "int8"}}}, "handler.neuron.quantization.weights"),
+    ({"neuron": {"speculation": {"draft_checkpoint": "draft", "length": 5}}},
+     "handler.neuron.speculation.draft_checkpoint, handler.neuron.speculation.length"),
+    ({"neuron": {"tp_degree": 8}}, "handler.neuron.tp_degree"),
+    ({"nxdi": {"fused_qkv": True}}, "handler.nxdi.fused_qkv"),
+])
+def test_neuron_only_settings_on_another_backend_are_refused_by_name(backend: str, handler: dict,
+                                                                     named: str) -> None:
+    extra = {"synthetic": {"decode_step_ms": 1}} if backend == "synthetic" else {}
+    with pytest.raises(ConfigError) as info:
+        parse_config({"handler": {"backend": backend, **extra, **handler}})
+    section = named.split(".")[1]
+    assert str(info.value).startswith(f"{named}: set, but handler.backend is {backend!r}, which "
+                                      f"never reads handler.{section}")
+    assert "remove it, or set handler.backend: " in str(info.value)
+
+
+def test_neuron_defaults_written_out_whole_still_load_on_torch() -> None:
+    """ModelConfig.to_yaml_dict writes every key, the neuron ones at their defaults."""
+    cfg = parse_config({"handler": {"backend": "torch"}})
+    assert parse_config(cfg.to_yaml_dict()) == cfg
