@@ -10,6 +10,11 @@ What a 5.x `save_pretrained` writes that 4.x misreads, and what is written inste
   when no merge holds a space.
 - the chat template goes to chat_template.jinja, which transformers < 4.47 ignores: moved
   into tokenizer_config.json, read by every version.
+- tokenizer_config.json lists extra special tokens under `extra_special_tokens` (5.x's name
+  for additional_special_tokens), which 4.48+ read as a dict of named tokens and fail on
+  ("'list' object has no attribute 'keys'"): written as `additional_special_tokens`, which
+  every 4.x reads and 5.x renames on load (tokenization_utils_base.py, "V5: Convert
+  deprecated additional_special_tokens").
 - clean_up_tokenization_spaces left unset, which 4.36-4.44 read as True (decoded text
   differs): written as False, the 4.45+ and 5.x default.
 - config.json carries RoPE only under `rope_parameters`; 4.x, like transformers-neuronx
@@ -28,8 +33,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-#: tokenizer classes 5.x writes that 4.x lacks -> the 4.x class that loads the same files
-TOKENIZER_CLASS_4X = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+from handlers.transformers4_rules import TOKENIZER_CLASS_4X
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
@@ -51,11 +56,17 @@ def config_for_4x(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def tokenizer_config_for_4x(config: dict[str, Any], chat_template: str | None) -> dict[str, Any]:
-    """tokenizer_config.json with a class 4.x knows, the chat template inline, no cleanup."""
+    """tokenizer_config.json with a class 4.x knows, the chat template inline, no cleanup,
+    extra special tokens where 4.x reads them."""
     out = dict(config)
     cls = out.get("tokenizer_class")
     out["tokenizer_class"] = TOKENIZER_CLASS_4X.get(cls, cls)
     out.setdefault("clean_up_tokenization_spaces", False)
+    extra = out.get("extra_special_tokens")
+    if isinstance(extra, list):  # 4.48+ take only a dict of named tokens here
+        del out["extra_special_tokens"]
+        known = list(out.get("additional_special_tokens") or [])
+        out["additional_special_tokens"] = known + [t for t in extra if t not in known]
     if chat_template is not None:  # 4.47+ and 5.x prefer chat_template.jinja over the inline one
         out["chat_template"] = chat_template
     return out

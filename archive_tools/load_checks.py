@@ -21,11 +21,16 @@ from typing import Any
 
 import yaml
 
+from archive_tools import transformers4
+from archive_tools.template_checks import check_chat_template
 from handlers.backends import capabilities_for
 from handlers.backends.capabilities import check_defaults
 from handlers.checkpoint_checks import check_archive, check_positions, check_weights, read_json
 from handlers.config import FrontendConfig, ModelConfig, parse_config
+from handlers.config_yaml import load_yaml
 from handlers.errors import ConfigError, Inf2ServeError
+from handlers.transformers4_rules import NEURON_BACKENDS
+from handlers.transformers4_rules import check_files as check_transformers4
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 PICKLED = ("pytorch_model*.bin", "pytorch_model.bin.index.json")  # served only via `prepare`
@@ -64,7 +69,7 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, str]:
         raise ConfigError(f"{path}: no such file")
     try:
         text = path.read_text(encoding="utf-8")
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text, path)  # a key given twice is refused with both lines
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as exc:
@@ -176,28 +181,14 @@ def _first_line(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def check_chat_template(tokenizer: Any, setting: str) -> None:
-    """handler.chat_template renders a one-message chat here as the worker renders every chat
-    request (a file is looked up in the checkpoint folder), or every one would answer 500."""
-    from handlers.api.chat_template import render_chat
-    from handlers.errors import RequestError
-
-    try:
-        render_chat(tokenizer, [{"role": "user", "content": "Hello"}], setting)
-    except Exception as exc:  # RequestError, or one of jinja2's several kinds
-        message = exc.message if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
-        if not message.startswith("handler.chat_template"):
-            message = f"handler.chat_template: {setting[:60]!r} does not render: {message}"
-        raise Inf2ServeError(message) from exc
-
-
 def check_load(config_path: Path, checkpoint: Path, *, fill_frontend: bool = True,
-               flag: str = "--checkpoint") -> LoadReport:
+               flag: str = "--checkpoint", load_under_4x: bool = False) -> LoadReport:
     """Every load check, cheapest first; raises on the first refusal.
 
     `fill_frontend`: `package` and `validate` write (or say they will write) the frontend
     keys the YAML leaves out; `compile` reads an archive, which must carry them, as the
-    worker does."""
+    worker does. `load_under_4x` (`validate`): a Neuron backend's checkpoint is also loaded
+    under each transformers 4.x found (archive_tools/transformers4.py)."""
     raw, config, text = read_model_config(config_path)
     added = frontend_written(raw, config) if fill_frontend else {}
     checkpoint = Path(checkpoint)
@@ -206,9 +197,10 @@ def check_load(config_path: Path, checkpoint: Path, *, fill_frontend: bool = Tru
     h = checked.config.handler
     check_defaults(h, capabilities_for(h))
     tokenizer = check_loads(checkpoint, flag)
-    if h.chat_template:
-        check_chat_template(tokenizer, h.chat_template)
+    check_chat_template(tokenizer, h.chat_template)
     notes = []
+    if load_under_4x and h.backend in NEURON_BACKENDS:  # the worker runs the SDK's 4.x
+        notes += transformers4.check_loads_under_4x(checkpoint, flag)
     differ = {k: v for k, v in added.items() if v != TORCHSERVE_DEFAULTS[k]}
     if differ:
         written = ", ".join(f"{k}: {json.dumps(v)}" for k, v in differ.items())
@@ -245,5 +237,8 @@ def check_draft(config: ModelConfig, checkpoint: Path, draft: Path,
         raise Inf2ServeError(f"{flag} {draft}: vocab_size {theirs} differs from the model's "
                              f"{ours} ({Path(checkpoint) / 'config.json'}); the draft must share "
                              "the model's tokenizer (e.g. Llama-3.2-1B for Llama-3.1-8B)")
+    problems = check_transformers4(draft).problems  # speculation runs on Neuron backends
+    if problems:
+        raise Inf2ServeError(f"{flag} {draft}: {problems[0]}")
     check_loads(draft, flag)
     return left_out

@@ -437,7 +437,7 @@ def _run(args: argparse.Namespace) -> int:
     _, cfg, _ = read_model_config(Path(args.config))  # an empty file is refused, as by package
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
     # with a checkpoint: everything `package` and the worker's start refuse, refused here
-    loaded = check_load(Path(args.config), checkpoint) if checkpoint else None
+    loaded = check_load(Path(args.config), checkpoint, load_under_4x=True) if checkpoint else None
     if loaded is not None:
         cfg = loaded.config  # with the checkpoint's generation defaults
     check_defaults(cfg.handler, capabilities_for(cfg.handler))

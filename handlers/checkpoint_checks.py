@@ -20,10 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from handlers.api.chat_template import resolve_template
+from handlers.backends import capabilities_for
+from handlers.checkpoint_shapes import check_shapes
 from handlers.config import HandlerConfig, ModelConfig, parse_config
+from handlers.config_yaml import check_duplicates
 from handlers.errors import ConfigError
-from handlers.generation_defaults import apply_generation_defaults
+from handlers.generation_defaults import (
+    apply_generation_defaults,
+    configured_defaults,
+    sampling_left_out,
+)
 from handlers.presets.chat_templates import NO_TEMPLATE_FIX
+from handlers.transformers4_rules import NEURON_BACKENDS
+from handlers.transformers4_rules import check_files as check_transformers4
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +48,8 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 #: frontend keys whose absence TorchServe fills with a default the handler cannot run under
 REQUIRED_FRONTEND = {"asyncCommunication": True}
+#: the archive's config file (MANIFEST.json configFile, as `inf2serve package` writes it)
+ARCHIVE_YAML = "model-config.yaml"
 
 
 @dataclass(frozen=True)
@@ -161,10 +173,12 @@ def weight_files(checkpoint: Path) -> dict[Path, set[str]]:
 
 
 def check_weights(checkpoint: Path, model_config: dict[str, Any]) -> None:
-    """Every weight file the worker will read has a sound header that covers the file, and
-    the tensors the index promises."""
+    """Every weight file the worker will read has a sound header that covers the file, the
+    tensors the index promises, and the shapes config.json implies (checkpoint_shapes)."""
     quantized = bool(model_config.get("quantization_config"))
-    for path, promised in weight_files(checkpoint).items():
+    shapes: dict[str, tuple[list[int], Path]] = {}
+    files = weight_files(checkpoint)
+    for path, promised in files.items():
         header, data_bytes = safetensors_header(path)
         check_tensors(path, header, data_bytes, quantized)
         missing = sorted(promised - set(header))
@@ -172,6 +186,10 @@ def check_weights(checkpoint: Path, model_config: dict[str, Any]) -> None:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ConfigError(f"{path}: lacks {', '.join(missing[:3])}{more}, which {INDEX} maps "
                               "to it; copy the shard again, or the index that belongs with it")
+        shapes |= {name: (t["shape"], path) for name, t in header.items()
+                   if name != "__metadata__"}
+    if files:  # the legacy split folder has no headers to read
+        check_shapes(model_config, shapes, checkpoint / "config.json")
 
 
 def check_positions(h: HandlerConfig, model_config: dict[str, Any], where: Path) -> None:
@@ -185,15 +203,70 @@ def check_positions(h: HandlerConfig, model_config: dict[str, Any], where: Path)
                           "or less")
 
 
+def checkpoint_templates(checkpoint: Path) -> list[tuple[str, str]]:
+    """(where, Jinja source) of every chat template a transformers version may read from the
+    checkpoint: chat_template.jinja (4.47+ and 5.x prefer it), tokenizer_config.json's
+    (a string, or named templates), chat_template.json's."""
+    out = []
+    if (checkpoint / "chat_template.jinja").is_file():
+        path = checkpoint / "chat_template.jinja"
+        out.append((str(path), path.read_text(encoding="utf-8")))
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        if not (checkpoint / name).is_file():
+            continue
+        template = read_json(checkpoint / name).get("chat_template")
+        where = f"{checkpoint / name} chat_template"
+        if isinstance(template, str) and template:
+            out.append((where, template))
+        elif isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+            out += [(f"{where} {t.get('name')!r}", t["template"]) for t in template
+                    if isinstance(t, dict) and isinstance(t.get("template"), str)]
+    return out
+
+
 def chat_template_warning(checkpoint: Path, setting: str) -> str | None:
     """A warning when no chat template exists anywhere the worker looks: the configured
     one, tokenizer_config.json's, chat_template.jinja or chat_template.json."""
-    if setting or (checkpoint / "chat_template.jinja").is_file():
+    if setting or checkpoint_templates(checkpoint):
         return None
-    for name in ("tokenizer_config.json", "chat_template.json"):
-        if (checkpoint / name).is_file() and read_json(checkpoint / name).get("chat_template"):
-            return None
     return f"no chat template: /v1/chat/completions will answer 400; {NO_TEMPLATE_FIX}"
+
+
+def compile_template(source: str) -> None:
+    """Compile Jinja source as transformers does before rendering a chat (its sandboxed
+    environment, with its `generation` tag); TemplateSyntaxError when it cannot."""
+    try:  # 4.48 to 5.x: a module-level function (transformers/utils/chat_template_utils.py)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # 4.36 compiles in a tokenizer method, with this environment
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+        return
+    _compile_jinja_template(source)
+
+
+def check_chat_template_syntax(checkpoint: Path, setting: str) -> None:
+    """Every chat template the worker may render compiles: a syntax error would answer
+    every chat request with an error, so it is refused here with the file and line. With
+    handler.chat_template set only that one is rendered (a preset, inline Jinja or a file
+    in the checkpoint); else the checkpoint's own."""
+    from jinja2.exceptions import TemplateSyntaxError
+
+    if setting:
+        try:
+            sources = [("handler.chat_template", resolve_template(setting, str(checkpoint)))]
+        except FileNotFoundError as exc:
+            raise ConfigError(str(exc)) from None
+    else:
+        sources = checkpoint_templates(checkpoint)
+    for where, source in sources:
+        try:
+            compile_template(source)
+        except TemplateSyntaxError as exc:
+            raise ConfigError(f"{where}: the chat template does not compile: {exc.message} "
+                              f"(template line {exc.lineno}), so every chat request would "
+                              "fail; fix the template, or set handler.chat_template (llama-2, "
+                              "llama-3)") from None
 
 
 def check_checkpoint_files(config: ModelConfig, checkpoint: Path) -> list[str]:
@@ -208,8 +281,15 @@ def check_checkpoint_files(config: ModelConfig, checkpoint: Path) -> list[str]:
     if h.backend != "synthetic":  # the synthetic device reads no weights
         check_weights(checkpoint, model_config)
     check_positions(h, model_config, checkpoint / "config.json")
+    check_chat_template_syntax(checkpoint, h.chat_template)
+    warnings = []
+    if h.backend in NEURON_BACKENDS:  # its worker runs a Neuron SDK's transformers 4.x
+        found = check_transformers4(checkpoint)
+        if found.problems:
+            raise ConfigError(found.problems[0])
+        warnings += found.warnings
     warning = chat_template_warning(checkpoint, h.chat_template)
-    return [warning] if warning else []
+    return warnings + ([warning] if warning else [])
 
 
 def check_archive(raw: Mapping[str, Any] | None, config: ModelConfig,
@@ -218,13 +298,31 @@ def check_archive(raw: Mapping[str, Any] | None, config: ModelConfig,
     the checkpoint's files; then its generation defaults merged into `config`."""
     check_frontend(raw)
     warnings = check_checkpoint_files(config, checkpoint)
+    warnings += generation_warnings(config, raw, checkpoint)
     merged, taken = apply_generation_defaults(config, raw, checkpoint)
     return Checked(merged, tuple(warnings), taken)
 
 
+def generation_warnings(config: ModelConfig, raw: Mapping[str, Any] | None,
+                        checkpoint: Path) -> list[str]:
+    """generation_config.json's sampling values that are not taken as defaults, and why
+    (top_p 2.0, temperature -1): said rather than dropped without a word."""
+    path = checkpoint / "generation_config.json"
+    if not path.is_file():
+        return []
+    caps = capabilities_for(config.handler)
+    lines = sampling_left_out(read_json(path), caps.max_top_k, configured_defaults(raw))
+    return [f"{path}: {line}" for line in lines]
+
+
 def load_worker_config(raw: Mapping[str, Any] | None, model_dir: Path) -> ModelConfig:
     """The worker's config: parsed, checked against its archive, with the checkpoint's
-    generation defaults; warnings and what was taken go to the worker log."""
+    generation defaults; warnings and what was taken go to the worker log. TorchServe parsed
+    the archive's model-config.yaml keeping the last of a key given twice: the file is read
+    again here to refuse that, as packaging does."""
+    yaml_path = model_dir / ARCHIVE_YAML
+    if yaml_path.is_file():
+        check_duplicates(yaml_path.read_text(encoding="utf-8"), yaml_path)
     config = parse_config(raw)
     checked = check_archive(raw, config, model_dir / config.handler.checkpoint)
     for warning in checked.warnings:

@@ -46,6 +46,34 @@ def checkpoint_sampling(generation_config: Mapping[str, Any],
     return out
 
 
+#: the range a request may ask for each sampling key (handlers/api/request.py), for messages
+RANGES = {"temperature": "[0, 100]", "top_p": "(0, 1]", "top_k": "an integer >= 0"}
+
+
+def sampling_left_out(generation_config: Mapping[str, Any], max_top_k: int | None = None,
+                      configured: set[str] = frozenset()) -> list[str]:
+    """Why each sampling value of a generation_config.json is not taken as a default (one
+    line each): out of a request's range, or above the backend's top_k. Keys the YAML sets
+    are not read from the file, so they are not reported."""
+    if generation_config.get("do_sample") is False:
+        return []
+    taken = checkpoint_sampling(generation_config, max_top_k)
+    out = []
+    for key in SAMPLING_KEYS:
+        if key not in generation_config or key in taken or key in configured:
+            continue
+        value = generation_config[key]
+        if value is None:
+            continue
+        why = f"outside {RANGES[key]}, the range a request may ask for"
+        if (key == "top_k" and max_top_k is not None and isinstance(value, int)
+                and not isinstance(value, bool) and value > max_top_k):
+            why = f"above {max_top_k}, the most this backend samples from"
+        out.append(f"{key} {value!r} is not used as a default ({why}); fix the file, or set "
+                   f"handler.defaults.{key}")
+    return out
+
+
 def configured_defaults(raw: Mapping[str, Any] | None) -> set[str]:
     """The handler.defaults keys model-config.yaml sets (null means unset)."""
     handler = raw.get("handler") if isinstance(raw, Mapping) else None

@@ -125,7 +125,11 @@ def test_config_json_that_does_not_load(tiny_checkpoint: Path, tmp_path: Path) -
 @pytest.mark.parametrize("setting, expected", [
     ("llama2", "did you mean 'llama-2'?"),
     ("chat.jinja", "not a preset (llama-2, llama-3), inline Jinja, or a file"),
-    ("{% for m in messages %}{{ m['content'] }", "does not render"),
+    ("{% for m in messages %}{{ m['content'] }",
+     "handler.chat_template: the chat template does not compile: unexpected '}' "
+     "(template line 1)"),
+    ("{{ raise_exception('a system message is required') }}",
+     "does not render a user/assistant/user conversation: "),
 ])
 def test_chat_template_is_checked_when_packaging(tiny_checkpoint: Path, tmp_path: Path,
                                                  setting: str, expected: str) -> None:

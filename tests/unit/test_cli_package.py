@@ -21,15 +21,23 @@ CKPT_BYTES = 16 << 20
 
 
 def make_checkpoint(path: Path, nbytes: int = 1 << 16) -> Path:
-    """A serving checkpoint as `package` sees it: config, tokenizer, one real safetensors file."""
+    """A serving checkpoint as `package` sees it: config, tokenizer, one real safetensors file
+    of about `nbytes`: a one-layer Llama over the tokenizer's 2 words, whose
+    config.json describes its tensors (7 h x h matrices and a few vectors, float32)."""
     import torch
     from safetensors.torch import save_file
 
+    from handlers.checkpoint_shapes import llama
+
+    h = max(8, int((nbytes / 4 / 7) ** 0.5) // 4 * 4)  # two heads of an even size (RoPE)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
+              "vocab_size": 2, "hidden_size": h, "intermediate_size": h, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "max_position_embeddings": 2048}
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
-                                                 "model_type": "llama", "dtype": "float32"}))
+    (path / "config.json").write_text(json.dumps(config))
     (path / "tokenizer.json").write_text(tiny_tokenizer_json())
-    save_file({"w": torch.randn(nbytes // 4)}, str(path / "model.safetensors"))
+    tensors = {name: torch.randn(want.shape) for name, want in llama(config).items()}
+    save_file(tensors, str(path / "model.safetensors"))
     return path
 
 

@@ -37,13 +37,13 @@ FAST = {"engine_process": "inline", "warmup": False}  # the worker's start, in t
 # --- inputs ---
 
 def write_config(path: Path, handler: dict | None = None, frontend: dict | None = None,
-                 drop: tuple[str, ...] = ()) -> Path:
+                 drop: tuple[str, ...] = (), append: str = "") -> Path:
     data = yaml.safe_load(CONFIG.read_text())
     data.update(frontend or {})
     data["handler"].update({**FAST, **(handler or {})})
     for key in drop:
         data.pop(key)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.write_text(yaml.safe_dump(data, sort_keys=False) + append)
     return path
 
 
@@ -124,6 +124,28 @@ def no_tokenizer(ckpt: Path) -> None:
     (ckpt / "tokenizer.json").unlink()
 
 
+def edit_json(name: str, **changes) -> Callable[[Path], None]:
+    """Set keys of a checkpoint JSON file (a callable of the key's old value: computed)."""
+    def damage(ckpt: Path) -> None:
+        data = json.loads((ckpt / name).read_text())
+        data.update({k: v(data[k]) if callable(v) else v for k, v in changes.items()})
+        (ckpt / name).write_text(json.dumps(data))
+    return damage
+
+
+def rope_only_in_rope_parameters(ckpt: Path) -> None:
+    """config.json as transformers 5 writes it: RoPE under rope_parameters alone."""
+    data = json.loads((ckpt / "config.json").read_text())
+    data.pop("rope_theta", None)
+    data.pop("rope_scaling", None)
+    data["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    (ckpt / "config.json").write_text(json.dumps(data))
+
+
+NEURON = {"backend": "neuron"}
+BROKEN_TEMPLATE = "{% for m in messages %}{{ m['content'] }"
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -132,6 +154,8 @@ class Case:
     handler: dict = field(default_factory=dict)
     drop: tuple[str, ...] = ()
     worker_refused: str | None = None  # the worker's message, where it is not `refused`
+    append: str = ""  # text added at the end of model-config.yaml
+    warns: str | None = None  # accepted with this warning, by both
 
 
 CASES = [
@@ -150,11 +174,44 @@ CASES = [
     Case("prefill bucket over max_length", "handler.neuron.context_length_estimate: [4096]",
          handler={"backend": "neuron", "neuron": {"context_length_estimate": [4096]}}),
     Case("no tokenizer", "no tokenizer files", no_tokenizer, worker_refused="tokenizer"),
+    # 2: files a Neuron SDK's transformers 4.x cannot load (or reads wrongly)
+    Case("transformers 5 tokenizer class, neuron", "tokenizer_class 'TokenizersBackend' "
+         "(transformers 5's) does not exist in transformers 4.x",
+         edit_json("tokenizer_config.json", tokenizer_class="TokenizersBackend"), NEURON),
+    Case("extra_special_tokens list, neuron", "extra_special_tokens is a list (transformers "
+         "5's form); transformers 4.48+ read a mapping there",
+         edit_json("tokenizer_config.json", extra_special_tokens=["<tool>"]), NEURON),
+    Case("RoPE only in rope_parameters, neuron", "RoPE is only under rope_parameters "
+         "(rope_theta 500000.0, rope_type 'default')", rope_only_in_rope_parameters, NEURON),
+    # 3: a chat template that does not compile
+    Case("chat template syntax error", "chat_template: the chat template does not compile: "
+         "unexpected '}' (template line 1)",
+         edit_json("tokenizer_config.json", chat_template=BROKEN_TEMPLATE)),
+    # 4: config.json that does not describe the weights
+    Case("hidden_size doubled", "tensor 'model.embed_tokens.weight' is [1024, 64], but",
+         edit_json("config.json", hidden_size=lambda h: h * 2)),
+    Case("vocab_size halved", "implies [512, 64] (vocab_size x hidden_size",
+         edit_json("config.json", vocab_size=lambda v: v // 2)),
+    # 5: a key given twice
+    Case("a key given twice", "minWorkers is given twice, at line 1 and line ",
+         append="minWorkers: 1\n"),
+    # 6: a Neuron-only setting on torch
+    Case("neuron quantization on torch", "handler.neuron.quantization.weights: set, but "
+         "handler.backend is 'torch'", handler={"neuron": {"quantization": {"weights": "int8"}}}),
+    Case("neuron speculation on torch", "handler.neuron.speculation.draft_checkpoint: set, but "
+         "handler.backend is 'torch'", handler={"neuron": {"speculation": {
+             "draft_checkpoint": "draft"}}}),
     Case("as built", None),
     Case("sharded", None, shard),
     Case("asyncCommunication left out", None, drop=("asyncCommunication",)),
-    Case("no chat template", None, no_chat_template),
+    Case("no chat template", None, no_chat_template, warns="no chat template"),
     Case("generation_config sampling", None, sampling),
+    # 7: sampling values out of range: said, not used
+    Case("generation_config out of range", None,
+         edit_json("generation_config.json", top_p=2.0, temperature=-1),
+         # temperature is set in the YAML, so the file's is not read (nor reported)
+         warns="generation_config.json: top_p 2.0 is not used as a default (outside (0, 1], "
+               "the range a request may ask for); fix the file, or set handler.defaults.top_p"),
 ]
 
 
@@ -196,7 +253,7 @@ def test_package_and_the_worker_start_agree(case: Case, tiny_checkpoint: Path, t
                                             capsys, caplog) -> None:
     ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
     case.damage(ckpt)
-    config = write_config(tmp_path / "c.yaml", case.handler, drop=case.drop)
+    config = write_config(tmp_path / "c.yaml", case.handler, drop=case.drop, append=case.append)
     store = tmp_path / "store"
     code, out, err = run(capsys, "package", "--config", str(config), "--checkpoint", str(ckpt),
                          "--name", "t", "--format", "no-archive", "--out", str(store))
@@ -214,8 +271,12 @@ def test_package_and_the_worker_start_agree(case: Case, tiny_checkpoint: Path, t
         handler = start_worker(store / "t")
     try:
         assert handler.initialized
-        warned = "no chat template" in caplog.text
-        assert warned == ("warning: no chat template" in out) == (case.id == "no chat template")
+        warned = [line for line in out.splitlines() if line.startswith("warning: ")]
+        if case.warns is None:
+            assert not warned and "warning" not in caplog.text.lower(), (out, caplog.text)
+        else:
+            assert any(case.warns in line for line in warned), out
+            assert case.warns in caplog.text
         if case.id == "generation_config sampling":
             d = handler.service.config.handler.defaults
             assert (d.temperature, d.top_p, d.top_k) == (0.0, 0.9, 40)  # YAML's temperature wins
