@@ -19,7 +19,8 @@ SAMPLES = (
     "  two spaces\nand a newline\t tab",
     "<s> special </s> tokens <unk>",
     "don't , stop . ok ?",
-)
+    "a <tool> call",  # one token where the checkpoint adds it as a special token (last: past
+)                     # the positions the logits read, as its id may be past the vocabulary)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"},
         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "日本?"}]
 PROMPT_TOKENS = 48  # enough positions for a wrong RoPE theta to change the logits

@@ -63,6 +63,17 @@ def test_tokenizer_config_names_a_4x_class_and_inlines_the_template() -> None:
     assert kept == {"tokenizer_class": "LlamaTokenizer", "clean_up_tokenization_spaces": True}
 
 
+def test_a_list_of_extra_special_tokens_becomes_additional_special_tokens() -> None:
+    """5.x writes extra_special_tokens: [...], which 4.48+ read as a mapping and fail on."""
+    out = compat.tokenizer_config_for_4x({"extra_special_tokens": ["<a>", "<b>"],
+                                          "additional_special_tokens": ["<b>"]}, None)
+    assert "extra_special_tokens" not in out
+    assert out["additional_special_tokens"] == ["<b>", "<a>"]
+    named = {"extra_special_tokens": {"image_token": "<img>"}}  # 4.48+'s own form: kept
+    assert compat.tokenizer_config_for_4x(named, None)["extra_special_tokens"] == {
+        "image_token": "<img>"}
+
+
 def test_merges_become_strings_unless_a_token_holds_a_space() -> None:
     tok = {"model": {"type": "BPE", "merges": [["a", "b"], ["Ġ", "c"]]}}
     assert compat.tokenizer_json_for_old(tok)["model"]["merges"] == ["a b", "Ġ c"]
@@ -72,7 +83,8 @@ def test_merges_become_strings_unless_a_token_holds_a_space() -> None:
 
 
 def _raw_5x_source(dst: Path, demo: Path, rope: dict) -> Path:
-    """A tiny Llama saved by 5.x as a user would (tokenizer re-saved by 5.x, template as .jinja)."""
+    """A tiny Llama saved by 5.x as a user would (tokenizer re-saved by 5.x with an extra
+    special token, template as .jinja)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=172,
@@ -81,9 +93,12 @@ def _raw_5x_source(dst: Path, demo: Path, rope: dict) -> Path:
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(dst)
-    AutoTokenizer.from_pretrained(demo).save_pretrained(dst)
+    tokenizer = AutoTokenizer.from_pretrained(demo)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+    tokenizer.save_pretrained(dst)
     saved = json.loads((dst / "tokenizer_config.json").read_text())
     assert saved["tokenizer_class"] == "TokenizersBackend"  # what 4.x cannot load
+    assert saved["extra_special_tokens"] == ["<tool>"]  # nor 4.48+ this
     assert (dst / "chat_template.jinja").is_file()
     return dst
 

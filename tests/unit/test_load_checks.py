@@ -427,6 +427,36 @@ def test_no_chat_template_warns_at_packaging_and_chat_answers_400(tiny_checkpoin
     assert code == 0 and "no chat template" not in out
 
 
+def test_a_tokenizer_template_that_fails_on_a_conversation_is_refused(tiny_checkpoint: Path,
+                                                                      tmp_path: Path,
+                                                                      capsys) -> None:
+    """It compiles (the worker's check passes) but fails on every user/assistant/user chat:
+    validate and package render the probe conversation and name the template."""
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+    edit_json("tokenizer_config.json", chat_template="{% for m in messages %}"
+              "{% if m['role'] == 'assistant' %}{{ raise_exception('no assistant turns') }}"
+              "{% endif %}{{ m['content'] }}{% endfor %}")(ckpt)
+    config = str(write_config(tmp_path / "c.yaml"))
+    for argv in (["validate", config, "--checkpoint", str(ckpt)],
+                 ["package", "--config", config, "--checkpoint", str(ckpt), "--name", "t",
+                  "--out", str(tmp_path / "store")]):
+        code, _, err = run(capsys, *argv)
+        refused_in_one_line(code, err, f"the tokenizer's chat template ({ckpt.resolve()}) does "
+                                       "not render a user/assistant/user conversation: ")
+        assert "no assistant turns" in err
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_draft_checkpoint_on_torch_is_refused(tiny_checkpoint: Path, tmp_path: Path,
+                                                capsys) -> None:
+    code, _, err = run(capsys, "package", "--config", str(write_config(tmp_path / "c.yaml")),
+                       "--checkpoint", str(tiny_checkpoint), "--draft-checkpoint",
+                       str(tiny_checkpoint), "--name", "t", "--out", str(tmp_path / "store"))
+    refused_in_one_line(code, err, f"--draft-checkpoint {tiny_checkpoint}: speculative decoding "
+                                   "runs on the Neuron backends only (neuron, nxdi), and "
+                                   "handler.backend is 'torch'")
+
+
 # --- generation_config.json ---
 
 @pytest.mark.parametrize("generation, max_top_k, taken", [
