@@ -17,6 +17,7 @@ commands that call them, and what `serve` prints, are archive_tools/serve_cmd.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import zipfile
 from collections.abc import Callable
@@ -36,7 +38,7 @@ from archive_tools import neuron_monitor as neuron_monitor_module
 from archive_tools import openai_router, ts_logs
 from archive_tools.jvm_options import FrontendMemory, merge_vmargs
 from archive_tools.ports import free_port
-from archive_tools.ts_logs import FRONTEND_OUT, died_at_load, load_failure, log_sizes, settle
+from archive_tools.ts_logs import FRONTEND_OUT, LoadWatch, load_failure, log_sizes, settle
 from handlers.errors import Inf2ServeError
 from handlers.telemetry.recorder import METRICS_DIR_ENV
 
@@ -50,6 +52,12 @@ START_ATTEMPTS = 3
 PROGRESS_EVERY_S = 10.0
 #: what the model store must hold for `serve` to find a model (package.FORMATS' files)
 ARCHIVE_SUFFIXES = (".mar", ".tar.gz")
+#: bytes of a Unix socket path (sun_path is 108 on Linux, with its NUL)
+SOCKET_PATH_MAX = 107
+#: where short_tmp puts its link: /tmp whatever $TMPDIR says, as the socket's length must
+#: not depend on a path the user chose; $TMPDIR's directory only where /tmp is not writable
+SHORT_TMP_BASES = ("/tmp",)
+MAX_PORT = 65535  # the longest port number a worker socket's name can end in
 
 
 @dataclass(frozen=True)
@@ -113,13 +121,50 @@ def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, 
     return path
 
 
+def short_tmp(run_dir: Path) -> Path:
+    """A short path to RUN_DIR/tmp for TorchServe's temp directory: BASE/inf2s-XXXXXXXX/t, a
+    symlink in a directory of our own (0700, mkdtemp), the earlier one of this run directory
+    replaced. The frontend puts each worker's Unix socket there (java.io.tmpdir/.ts.sock.PORT,
+    model_service_worker.py binds it), and a socket path holds at most SOCKET_PATH_MAX bytes:
+    a long --run-dir (or a long $TMPDIR under the tests) would kill every worker with
+    "OSError: AF_UNIX path too long". The files stay in RUN_DIR/tmp; only the name is short."""
+    drop_short_tmp(run_dir)
+    tmp = run_dir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    base = next((b for b in SHORT_TMP_BASES if os.path.isdir(b) and os.access(b, os.W_OK)),
+                tempfile.gettempdir())
+    link = Path(tempfile.mkdtemp(prefix="inf2s-", dir=base)) / "t"
+    link.symlink_to(tmp, target_is_directory=True)
+    (run_dir / ts_logs.TMP_LINK_FILE).write_text(str(link))
+    socket = f"{link}/.ts.sock.{MAX_PORT}"
+    if len(socket.encode()) > SOCKET_PATH_MAX:
+        drop_short_tmp(run_dir)
+        raise Inf2ServeError(f"TorchServe's worker sockets would be {socket} "
+                             f"({len(socket.encode())} bytes), past the {SOCKET_PATH_MAX}-byte "
+                             "limit of a Unix socket path; set TMPDIR to a short directory")
+    return link
+
+
+def drop_short_tmp(run_dir: Path) -> None:
+    """Remove the short link `short_tmp` made for `run_dir` (its directory holds only it)."""
+    record = run_dir / ts_logs.TMP_LINK_FILE
+    try:
+        link = Path(record.read_text().strip())
+    except OSError:
+        return
+    if link.name == "t" and link.parent.name.startswith("inf2s-") and link.is_symlink():
+        link.unlink()
+        with contextlib.suppress(OSError):
+            link.parent.rmdir()
+    record.unlink(missing_ok=True)
+
+
 def _server_env(run_dir: Path, env: dict[str, str] | None) -> dict[str, str]:
     out = dict(os.environ)
     out.update(env or {})
-    tmp = run_dir / "tmp"
-    tmp.mkdir(exist_ok=True)
-    out["TMPDIR"] = str(tmp)  # TorchServe's pid file lives in $TMPDIR
-    out["TEMP"] = str(tmp)  # -> java.io.tmpdir: worker sockets and unpacked archives
+    tmp = str(short_tmp(run_dir))
+    out["TMPDIR"] = tmp  # TorchServe's pid file (and the workers' temp files) live here
+    out["TEMP"] = tmp  # -> java.io.tmpdir: worker sockets and unpacked archives
     out["LOG_LOCATION"] = str(run_dir / "logs")
     out["METRICS_LOCATION"] = str(run_dir / "logs")
     return out
@@ -186,15 +231,18 @@ def _progress_line(server: Server, model: str, waited_s: float,
 
 def wait_ready(server: Server, models: list[str], timeout_s: float,
                log_sizes: dict[str, int] | None = None, progress: Progress | None = None,
-               progress_every_s: float = PROGRESS_EVERY_S) -> None:
+               progress_every_s: float = PROGRESS_EVERY_S,
+               archives: dict[str, Path] | None = None) -> None:
     """Poll the management API until every model has a READY worker; fail at once when a
-    worker dies while loading (TorchServe would retry it until the timeout). `progress`
-    gets a line per model still loading every `progress_every_s`, and one when it is READY."""
+    worker dies while loading, whatever the reason (TorchServe would retry it until the
+    timeout; ts_logs.LoadWatch). `progress` gets a line per model still loading every
+    `progress_every_s`, and one when it is READY. `archives` (model -> its archive in the
+    store) names files in the failure message by the store's path."""
     headers = {"Authorization": f"Bearer {server.management_token}"}
     started = time.monotonic()
     deadline = started + timeout_s
     pending = list(models)
-    scanned = dict(log_sizes or {})
+    watch = LoadWatch(server.run_dir, log_sizes or {})
     next_report = started + progress_every_s
     while pending:
         if progress is not None and time.monotonic() >= next_report:
@@ -206,9 +254,9 @@ def wait_ready(server: Server, models: list[str], timeout_s: float,
             error = PortTaken if ts_logs.PORT_TAKEN in why else Inf2ServeError
             raise error(f"TorchServe exited during start-up: {why or '(no exception printed)'}"
                         f"\n{log_tail(server.run_dir)}")
-        if log_sizes is not None and died_at_load(server.run_dir, scanned):
+        if log_sizes is not None and watch.died(pending):
             settle(server.run_dir / "logs" / "model_log.log")
-            raise Inf2ServeError(load_failure(server.run_dir, log_sizes)
+            raise Inf2ServeError(load_failure(server.run_dir, log_sizes, archives)
                                  or "a worker died while loading its model")
         if time.monotonic() > deadline:
             raise Inf2ServeError(f"models {pending} not READY after {timeout_s:.0f}s\n"
@@ -385,7 +433,8 @@ def _launch(run_dir: Path, model_store: Path, specs: list[str], models: list[str
                         f"http://127.0.0.1:{ports[2]}", inference_token, management_token, pid,
                         tuple(models))
         _write_public(server)
-        wait_ready(server, models, ready_timeout_s, sizes, progress)
+        archives = {spec.split("=")[0]: model_store / spec.split("=", 1)[1] for spec in specs}
+        wait_ready(server, models, ready_timeout_s, sizes, progress, archives=archives)
     except BaseException:
         stop(run_dir)
         raise
@@ -446,6 +495,7 @@ def stop(run_dir: Path = DEFAULT_RUN_DIR, timeout_s: float = 60) -> bool:
     neuron_monitor_module.stop(run_dir)
     pid = _pid(run_dir)
     if not _alive(pid):
+        drop_short_tmp(run_dir)
         return False
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
@@ -456,6 +506,7 @@ def stop(run_dir: Path = DEFAULT_RUN_DIR, timeout_s: float = 60) -> bool:
     _kill_workers(run_dir)
     for name in ("key_file.json", "server.json"):
         (run_dir / name).unlink(missing_ok=True)
+    drop_short_tmp(run_dir)
     return True
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 #: a worker that dies before its model is loaded (state WORKER_STARTED, not yet
@@ -19,8 +20,17 @@ from pathlib import Path
 #: serve/wlm/AsyncWorkerThread.java:195 and WorkerThread.java:412 log "{port} Worker
 #: disconnected. {state}"
 DIED_AT_LOAD = "Worker disconnected. WORKER_STARTED"
-#: the worker's own last words, then its traceback (ts/model_service_worker.py:311)
+#: the worker's own last words, then its traceback (ts/model_service_worker.py:311): any
+#: exception before or while loading (a socket it cannot bind, the handler's refusal)
 WORKER_DIED = "Backend worker process died."
+#: the frontend restarts a worker that died or never connected (WorkerThread.java retry():
+#: "Retry worker: {port} in {n} seconds."), for ever, with back-off
+RETRY = "Retry worker: "
+#: restarts of one model's workers before it was READY after which `serve` gives up,
+#: whatever the reason (a worker killed before it could write a traceback, say)
+MAX_LOAD_RETRIES = 3
+#: the worker thread of a ts_log line, or the worker of a model_log line: W-9000-tiny_1.0
+WORKER_OF = re.compile(r"\bW-\d+-(\S+?)_[^_\s]+(?:-std(?:out|err))?\s")
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\w*\b")
 #: the frontend's stdout (`torchserve --start` hands it down from `inf2serve serve`): where
 #: a start-up exception goes, never to ts_log (ModelServer.java:112-117, printStackTrace)
@@ -153,18 +163,44 @@ def log_since(run_dir: Path, name: str, sizes: dict[str, int]) -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
-def died_at_load(run_dir: Path, scanned: dict[str, int]) -> bool:
-    """Whether ts_log's lines since `scanned` (advanced to the last whole line) report a
-    worker lost before READY; each poll reads only what is new."""
-    path = run_dir / "logs" / "ts_log.log"
-    if not path.exists():
-        return False
-    with open(path, "rb") as f:
-        f.seek(scanned.get("ts_log.log", 0))
-        new = f.read()
-    whole = new[:new.rfind(b"\n") + 1]
-    scanned["ts_log.log"] = scanned.get("ts_log.log", 0) + len(whole)
-    return DIED_AT_LOAD.encode() in whole
+class LoadWatch:
+    """What TorchServe logged since `sizes`, read a poll at a time (only new whole lines):
+    has a worker of a model that is not READY yet died while loading? Yes at the first
+    worker lost before its model loaded (ts_log), the first worker traceback (model_log:
+    a handler that refused, a socket it could not bind), or the MAX_LOAD_RETRIES-th
+    restart of that model's workers, whatever the reason."""
+
+    def __init__(self, run_dir: Path, sizes: dict[str, int]) -> None:
+        self.run_dir, self.offsets = run_dir, dict(sizes)
+        self.retries: dict[str, int] = {}
+
+    def _new_lines(self, name: str) -> list[str]:
+        path = self.run_dir / "logs" / name
+        if not path.exists():
+            return []
+        with open(path, "rb") as f:
+            f.seek(self.offsets.get(name, 0))
+            new = f.read()
+        whole = new[:new.rfind(b"\n") + 1]
+        self.offsets[name] = self.offsets.get(name, 0) + len(whole)
+        return whole.decode("utf-8", errors="replace").splitlines()
+
+    def died(self, pending: Collection[str]) -> bool:
+        died = False
+        for line in self._new_lines("ts_log.log"):
+            died |= DIED_AT_LOAD in line
+            model = _model_of(line)
+            if RETRY in line and model in pending:
+                self.retries[model] = self.retries.get(model, 0) + 1
+                died |= self.retries[model] >= MAX_LOAD_RETRIES
+        for line in self._new_lines("model_log.log"):
+            died |= WORKER_DIED in line and _model_of(line) in pending
+        return died
+
+
+def _model_of(line: str) -> str | None:
+    m = WORKER_OF.search(line)
+    return m.group(1) if m else None
 
 
 def settle(path: Path, timeout_s: float = 5) -> None:
@@ -176,25 +212,74 @@ def settle(path: Path, timeout_s: float = 5) -> None:
         time.sleep(0.5)
 
 
-def load_failure(run_dir: Path, sizes: dict[str, int]) -> str | None:
+def load_failure(run_dir: Path, sizes: dict[str, int],
+                 archives: dict[str, Path] | None = None) -> str | None:
     """Why a worker died while loading its model (since `sizes`), or None if none did.
 
     TorchServe restarts such a worker for ever (with back-off), so waiting for READY would
-    last until the timeout; its model_log holds the traceback that says why."""
-    if DIED_AT_LOAD not in log_since(run_dir, "ts_log.log", sizes):
-        return None
+    last until the timeout; its model_log holds the traceback that says why, else ts_log
+    the frontend's error. `archives` (model -> archive in the store): paths in TorchServe's
+    temp copy of an archive are named by the archive instead."""
+    ts_log = log_since(run_dir, "ts_log.log", sizes)
     model_log = log_since(run_dir, "model_log.log", sizes)
-    models = sorted(set(re.findall(rf"W-\d+-(\S+?)_[^_\s]+-stdout MODEL_LOG - "
-                                   rf"{re.escape(WORKER_DIED)}", model_log)))
+    if not any(mark in ts_log for mark in (DIED_AT_LOAD, RETRY)) and WORKER_DIED not in model_log:
+        return None
+    died_models = re.findall(rf"W-\d+-(\S+?)_[^_\s]+-stdout MODEL_LOG - {re.escape(WORKER_DIED)}",
+                             model_log)
+    retried = [_model_of(line) for line in ts_log.splitlines() if RETRY in line]
+    models = sorted(set(died_models) or {m for m in retried if m})
     lines = [line.split(" MODEL_LOG - ", 1)[-1] for line in model_log.splitlines()]
     died = [i for i, line in enumerate(lines) if line.strip() == WORKER_DIED]
     why = [line for line in (lines[died[-1] + 1:] if died else lines[-40:]) if line.strip()]
     errors = [line for line in why if ERROR_LINE.match(line)]
-    summary = errors[-1] if errors else "(no Python traceback: killed, or out of memory?)"
+    frontend = [line.split(" - ", 1)[-1] for line in ts_log.splitlines()
+                if "[ERROR]" in line or line.startswith("org.pytorch.serve")]
+    if errors:
+        summary = errors[-1]
+    elif frontend:
+        summary = f"{frontend[-1]} (the frontend's words; the worker wrote no traceback)"
+        why = why or frontend[-10:]
+    else:
+        summary = "(no Python traceback: killed, or out of memory?)"
     who = f"model {', '.join(models)}: a" if models else "a"
-    return (f"{who} worker died while loading the model: {summary}\n"
+    text = (f"{who} worker died while loading the model: {summary}\n"
             f"TorchServe would restart it for ever, so serve stops here. The worker's log "
             f"({run_dir / 'logs' / 'model_log.log'}):\n  " + "\n  ".join(why[-25:]))
+    if archives and len(models) == 1 and models[0] in archives:
+        text = store_paths(text, archives[models[0]], temp_dirs(run_dir))
+    return text
+
+
+#: TorchServe's copy of an archive: java.io.tmpdir/models/<32 hex> (ModelArchive.java
+#: createTempDir), a .mar unpacked there, a folder linked there under its own name
+_MODEL_COPY = r"/models/[0-9a-f]{32}"
+
+
+#: in a run directory: the short path `serve` gives TorchServe for RUN_DIR/tmp (serve.py)
+TMP_LINK_FILE = "tmp_link"
+
+
+def temp_dirs(run_dir: Path) -> list[str]:
+    """The frontend's java.io.tmpdir as paths may spell it: the run directory's tmp, and
+    the short link to it that `serve` hands TorchServe (TMP_LINK_FILE)."""
+    out = [str(run_dir / "tmp")]
+    link = run_dir / TMP_LINK_FILE
+    if link.is_file():
+        out.append(link.read_text().strip())
+    return out
+
+
+def store_paths(text: str, archive: Path, tmp_dirs: list[str]) -> str:
+    """`text` with paths inside TorchServe's temp copy of `archive` named by the archive in
+    the store: a folder's path as it is there, a .mar's or .tar.gz's member as ARCHIVE:member."""
+    folder = archive.is_dir()
+    for tmp in sorted(tmp_dirs, key=len, reverse=True):
+        copy = re.escape(tmp) + _MODEL_COPY
+        if folder:
+            text = re.sub(copy + "/" + re.escape(archive.name) + r"(?=/|\b)", str(archive), text)
+        else:
+            text = re.sub(copy + "/", f"{archive}:", text)
+    return text
 
 
 def frontend_exit(run_dir: Path, sizes: dict[str, int]) -> str:

@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -160,12 +161,18 @@ def browser() -> Iterator[object]:
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--window-size=1280,800"):
         options.add_argument(flag)
-    service = webdriver.ChromeService(executable_path=str(CHROMEDRIVER))
+    # Chromium binds its SingletonSocket under $TMPDIR and exits when that path passes the
+    # Unix limit ("Socket path too long"), as a long TMPDIR beside another server makes it
+    short_tmp = tempfile.mkdtemp(prefix="chrome-", dir="/tmp" if os.access("/tmp", os.W_OK)
+                                 else None)
+    service = webdriver.ChromeService(executable_path=str(CHROMEDRIVER),
+                                      env={**os.environ, "TMPDIR": short_tmp})
     driver = webdriver.Chrome(options=options, service=service)
     try:
         yield driver
     finally:
         driver.quit()
+        shutil.rmtree(short_tmp, ignore_errors=True)
 
 
 #: records every text the last reply shows, as it changes (no change is missed, however fast)

@@ -1,9 +1,11 @@
-"""A newcomer's three blockers, through a real TorchServe (issue 16).
+"""A newcomer's blockers, through a real TorchServe (issues 16 and 37).
 
 - a token that expires: the printed one stops working, `inf2serve token` gives a fresh
   one; health checks: /ping needs the token, the metrics port does not;
 - a dual-format checkpoint (safetensors + pytorch_model.bin) is packaged once and served;
-- a worker that dies while loading is reported by `serve` at once, with the reason.
+- a worker that dies while loading is reported by `serve` at once, with the reason, and so
+  is one that dies before it even connects, with no word of its own;
+- a run directory whose socket paths would pass the Unix limit (every test here uses one).
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     save_bin(dual)
     assert main(["package", "--config", str(CONFIG), "--checkpoint", str(dual), "--name",
                  "dual", "--out", str(root / "store")]) == 0
-    with running_server(root / "store", root / "run", ["dual"],
+    # TorchServe's worker sockets would be RUN/tmp/.ts.sock.9000: 130+ bytes, past 107
+    run = root / ("a-long-run-directory-" * 5) / "run"
+    assert len(str(run / "tmp" / ".ts.sock.9000")) > serve.SOCKET_PATH_MAX
+    with running_server(root / "store", run, ["dual"],
                         extra_props={"token_expiration_min": str(EXPIRY_MIN)}) as s:
         yield s
 
@@ -85,7 +90,7 @@ def test_health_checks(server: serve.Server) -> None:
 
 
 def test_dual_format_checkpoint_is_packaged_once_and_served(server: serve.Server) -> None:
-    archive = next(Path(server.run_dir).parent.glob("store/dual.mar"))
+    archive = next(Path(server.run_dir).parent.parent.glob("store/dual.mar"))
     names = members(archive)
     assert "model/model.safetensors" in names and "model/pytorch_model.bin" not in names
     r = post(server, "dual", REQUEST, headers={"Authorization": f"Bearer {token(server)}"})
@@ -106,3 +111,27 @@ def test_worker_death_at_load_is_reported_at_once(tiny_checkpoint: Path, tmp_pat
     assert first.startswith("model broken: a worker died while loading the model: ")
     assert "tiktoken" in first, str(info.value)  # the reason, from the worker's traceback
     assert not serve._alive(serve._pid(tmp_path / "run"))  # and the server was stopped
+
+
+def test_a_worker_that_dies_before_it_connects_is_reported(tiny_checkpoint: Path,
+                                                           tmp_path: Path) -> None:
+    """Whatever kills a worker, `serve` stops once TorchServe has restarted it a few times,
+    with the frontend's words: here each worker exits at start-up without a word (as one
+    killed for memory would), before it binds its socket, so no "Worker disconnected"."""
+    store = tmp_path / "store"
+    inline = make_config(tmp_path / "inline.yaml", handler={"engine_process": "inline"})
+    package(inline, tiny_checkpoint, "silent", "no-archive", store)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(  # only TorchServe's worker, not its launcher
+        "import os, sys\n"
+        "if sys.argv and sys.argv[0].endswith('model_service_worker.py'):\n"
+        "    os._exit(1)\n")
+    with pytest.raises(serve.Inf2ServeError) as info:
+        serve.start(store, ["silent"], tmp_path / "run", env={"PYTHONPATH": str(site)},
+                    ready_timeout_s=600)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("model silent: a worker died while loading the model: "), first
+    assert "the worker wrote no traceback" in first
+    assert not serve._alive(serve._pid(tmp_path / "run"))  # and the server was stopped
+    assert not (tmp_path / "run" / "tmp_link").exists()  # nor its short link left behind

@@ -59,13 +59,72 @@ def test_an_earlier_runs_failure_is_not_this_ones(tmp_path: Path) -> None:
 
 
 def test_polls_read_only_new_whole_lines(tmp_path: Path) -> None:
-    scanned = ts_logs.log_sizes(tmp_path)
+    watch = ts_logs.LoadWatch(tmp_path, ts_logs.log_sizes(tmp_path))
     head, tail = TS_LOG.split("Worker disconnected. WORKER_")
     write_logs(tmp_path, head + "Worker disconnected. WORKER_", "")
-    assert not ts_logs.died_at_load(tmp_path, scanned)  # half a line: not yet
+    assert not watch.died({"bad"})  # half a line: not yet
     write_logs(tmp_path, tail, "")
-    assert ts_logs.died_at_load(tmp_path, scanned)
-    assert not ts_logs.died_at_load(tmp_path, scanned)  # already read
+    assert watch.died({"bad"})
+    assert not watch.died({"bad"})  # already read
+
+
+# a worker that cannot bind its socket (a 114-byte path), as TorchServe 0.12 logged it: no
+# "Worker disconnected" (it never connected), its traceback, then the frontend's retry
+P = "/tmp/" + "d" * 80 + "/run/tmp"
+BIND_MODEL_LOG = f"""\
+2026-11-27T19:56:54,353 [INFO ] W-9000-tiny_1.0-stdout MODEL_LOG - Listening on port: {P}/.ts.sock.9000
+2026-11-27T19:56:54,753 [INFO ] W-9000-tiny_1.0-stdout MODEL_LOG - Backend worker process died.
+2026-11-27T19:56:54,754 [INFO ] W-9000-tiny_1.0-stdout MODEL_LOG - Traceback (most recent call last):
+2026-11-27T19:56:54,868 [INFO ] W-9000-tiny_1.0-stdout MODEL_LOG -     self.sock.bind(self.sock_name)
+2026-11-27T19:56:54,868 [INFO ] W-9000-tiny_1.0-stdout MODEL_LOG - OSError: AF_UNIX path too long
+"""  # noqa: E501
+BIND_TS_LOG = """\
+2026-11-27T19:57:03,828 [ERROR] W-9000-tiny_1.0 org.pytorch.serve.wlm.AsyncWorkerThread - Backend worker error
+org.pytorch.serve.wlm.WorkerInitializationException: Backend stream closed.
+2026-11-27T19:57:03,977 [INFO ] W-9000-tiny_1.0 org.pytorch.serve.wlm.WorkerThread - Retry worker: 9000 in 1 seconds.
+"""  # noqa: E501
+
+
+def test_a_worker_that_dies_before_it_connects_is_seen_by_its_traceback(tmp_path: Path) -> None:
+    sizes = ts_logs.log_sizes(tmp_path)
+    watch = ts_logs.LoadWatch(tmp_path, sizes)
+    write_logs(tmp_path, "", BIND_MODEL_LOG)
+    assert not watch.died({"other"})  # another model's worker: not this one's business
+    watch = ts_logs.LoadWatch(tmp_path, sizes)
+    assert watch.died({"tiny"})
+    write_logs(tmp_path, BIND_TS_LOG, "")
+    first = ts_logs.load_failure(tmp_path, sizes).splitlines()[0]
+    assert first == ("model tiny: a worker died while loading the model: OSError: AF_UNIX path "
+                     "too long")
+
+
+def test_a_worker_restarted_again_and_again_is_given_up_on_whatever_the_reason(
+        tmp_path: Path) -> None:
+    """Killed before it wrote a word (out of memory, say): only the frontend's retries."""
+    sizes = ts_logs.log_sizes(tmp_path)
+    watch = ts_logs.LoadWatch(tmp_path, sizes)
+    for _ in range(ts_logs.MAX_LOAD_RETRIES):
+        assert not watch.died({"tiny"})
+        write_logs(tmp_path, BIND_TS_LOG, "")
+    assert watch.died({"tiny"})
+    first = ts_logs.load_failure(tmp_path, sizes).splitlines()[0]
+    assert first == ("model tiny: a worker died while loading the model: "
+                     "org.pytorch.serve.wlm.WorkerInitializationException: Backend stream "
+                     "closed. (the frontend's words; the worker wrote no traceback)")
+
+
+def test_paths_in_torchserves_copy_are_named_by_the_store(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    (store / "tiny").mkdir(parents=True)
+    copy = "/models/430cfe6e5ecf45918da12149624b42d5"
+    link = "/tmp/inf2s-z_rb1f_n/t"
+    text = (f"ConfigError: {link}{copy}/tiny/model/config.json: not valid JSON; also "
+            f"{tmp_path}/run/tmp{copy}/tiny/model")
+    dirs = [f"{tmp_path}/run/tmp", link]
+    assert ts_logs.store_paths(text, store / "tiny", dirs) == (
+        f"ConfigError: {store}/tiny/model/config.json: not valid JSON; also {store}/tiny/model")
+    assert ts_logs.store_paths(f"{link}{copy}/model/config.json: bad", store / "tiny.mar",
+                               dirs) == f"{store}/tiny.mar:model/config.json: bad"
 
 
 def test_frontend_exit_quotes_the_exception_without_stack_frames(tmp_path: Path) -> None:
