@@ -7,10 +7,13 @@ Thin wiring over `loadgen` (sending, timing), `bench_stats` (numbers) and
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import re
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from archive_tools import bench_report, loadgen
 from archive_tools.bench_stats import BenchError, Scenario, ScenarioResult, host_efficiency
@@ -27,7 +30,7 @@ def _csv(kind: Callable[[str], float]) -> Callable[[str], list]:
                                              "numbers, e.g. 1,5,10") from None
         if not values or any(v <= 0 for v in values):
             raise argparse.ArgumentTypeError(f"{text!r}: give one or more numbers > 0")
-        return values
+        return list(dict.fromkeys(values))  # a level given twice is one scenario, one row
     return parse
 
 
@@ -45,19 +48,85 @@ def build_scenarios(mode: str, concurrency: list[int], rates: list[float],
     return out
 
 
-def check_reachable(result: ScenarioResult, url: str) -> None:
+#: TorchServe 0.12's answer to a missing, wrong or expired token: 400, not 401
+#: (TokenAuthorizationHandler.java: InvalidKeyException)
+BAD_TOKEN = "InvalidKeyException"
+
+
+def served(run_dir: Path) -> dict | None:
+    """RUN_DIR/server.json of a running `inf2serve serve` (its URLs and models), or None."""
+    try:
+        info = json.loads((run_dir / "server.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("models"), list) else None
+
+
+def model_urls(run_dir: Path) -> list[str]:
+    info = served(run_dir)
+    return [f"{info['inference_url']}/predictions/{m}" for m in info["models"]] if info else []
+
+
+def bench_url(url: str, run_dir: Path) -> tuple[str, str | None]:
+    """The inference URL to stream from, and a note when it is not `url`: `serve` prints
+    OpenAI base URLs too, and bench speaks the native NDJSON stream. A model's base URL
+    (.../predictions/NAME/VERSION/v1) becomes its versioned inference URL; the one base URL
+    of every model becomes its model's when the server of `run_dir` serves one."""
+    url = loadgen.check_url(url)
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    if not path.endswith("/v1"):
+        return url, None
+    m = re.fullmatch(r"(.*/predictions/[^/]+(?:/[^/]+)?)/v1", path)
+    if m:
+        native = urlunsplit(parts._replace(path=m.group(1)))
+        return native, f"{url} is an OpenAI base URL; benching its model's inference URL {native}"
+    urls = model_urls(run_dir)
+    if len(urls) == 1:
+        return urls[0], (f"{url} is the OpenAI base URL of every model; benching the one "
+                         f"served model's inference URL {urls[0]}")
+    listed = ", ".join(urls) or "http://HOST:PORT/predictions/NAME, which `serve` printed"
+    raise BenchError(f"URL {url} is an OpenAI base URL; bench streams from one model's "
+                     f"inference URL: {listed}")
+
+
+def bench_token(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The inference token, and where it came from when not given: like the chat page, the
+    key file of the `inf2serve serve` of --run-dir."""
+    if args.token or args.token_file:
+        return loadgen.read_token(args.token, args.token_file), None
+    key_file = Path(args.run_dir) / "key_file.json"
+    if key_file.is_file():
+        return loadgen.read_token(None, key_file), f"token from {key_file}"
+    return None, None
+
+
+def _fixes(run_dir: Path) -> dict[str, str]:
+    urls = model_urls(run_dir)
+    models = (f"the server of {run_dir} serves {', '.join(urls)}" if urls else
+              "`inf2serve serve` printed each model's inference URL")
+    return {"connect": "start the server (inf2serve serve) or fix the host/port",
+            "401": "pass --token-file path/to/key_file.json (or --token)",
+            "403": "pass the inference key, not the management key",
+            "404": f"check the model name in the URL: {models}",
+            BAD_TOKEN: ("TorchServe refused the token (missing, wrong or expired): pass "
+                        "--run-dir of `inf2serve serve` or --token-file RUN_DIR/key_file.json; "
+                        "an expired one is renewed by `inf2serve token`")}
+
+
+def check_reachable(result: ScenarioResult, url: str, run_dir: Path = Path(".serve")) -> None:
     """Stop after the first scenario when nothing worked for a reason no retry will fix."""
     s = result.summary
     if s.ok or not s.requests:
         return
     kinds = set(s.errors_by_kind)
-    fixes = {"connect": "start the server (inf2serve serve) or fix the host/port",
-             "401": "pass --token-file path/to/key_file.json (or --token)",
-             "403": "pass the inference key, not the management key",
-             "404": "check the model name in the URL (curl http://HOST:8081/models)"}
-    if len(kinds) == 1 and (kind := kinds.pop()) in fixes:
+    fixes = _fixes(run_dir)
+    if len(kinds) == 1:
+        kind = kinds.pop()
         example = next(r.error for r in result.records if r.error)
-        raise BenchError(f"every request to {url} failed with {kind} ({example}); {fixes[kind]}")
+        fix = fixes[BAD_TOKEN] if kind == "400" and BAD_TOKEN in example else fixes.get(kind)
+        if fix is not None:
+            raise BenchError(f"every request to {url} failed with {kind} ({example}); {fix}")
 
 
 def efficiency_by_level(results: list[ScenarioResult], step_ms: float) -> dict[str, float]:
@@ -89,8 +158,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if not args.debug:  # httpx logs every request at INFO, which would bury the progress bar
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    url = loadgen.check_url(args.url)
-    token = loadgen.read_token(args.token, args.token_file)
+    url, url_note = bench_url(args.url, Path(args.run_dir))
+    token, token_note = bench_token(args)
     if not args.timeout > 0:
         raise BenchError(f"--timeout {args.timeout} must be > 0 seconds")
     if args.device_step_ms is not None and not args.device_step_ms > 0:
@@ -101,6 +170,9 @@ def _run(args: argparse.Namespace) -> int:
         requests = DEFAULT_REQUESTS if args.requests is None else args.requests
     scenarios = build_scenarios(args.mode, args.concurrency, args.rates, requests, args.duration)
     console = Console()
+    for note in (url_note, token_note):
+        if note:
+            console.print(note, highlight=False, soft_wrap=True)
     if short := short_waves(scenarios):
         console.print(f"[yellow]warning:[/] --requests {requests} is below concurrency "
                       f"{', '.join(map(str, short))}: those scenarios never have that many "
@@ -143,7 +215,7 @@ def _run(args: argparse.Namespace) -> int:
                 price_per_hour=args.price_per_hour, on_record=on_record)
             progress.update(task, total=len(result.records), completed=len(result.records))
             if not results[args.label]:
-                check_reachable(result, url)
+                check_reachable(result, url, Path(args.run_dir))
             results[args.label].append(result)
 
     meta = {"url": url, "label": args.label, "mode": args.mode, "prompt_tokens":
@@ -162,7 +234,22 @@ def _run(args: argparse.Namespace) -> int:
         console.print(f"host efficiency {name}: {value:.3f} (served tokens/s / (streams / "
                       f"{args.device_step_ms:g} ms step))")
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    check_any_ok(results[args.label], url)
     return 0
+
+
+def check_any_ok(results: list[ScenarioResult], url: str) -> None:
+    """A run in which no request succeeded measured nothing: an error, not exit 0."""
+    if any(r.summary.ok for r in results):
+        return
+    kinds: dict[str, int] = {}
+    for r in results:
+        for kind, n in r.summary.errors_by_kind.items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    example = next((rec.error for r in results for rec in r.records if rec.error), "")
+    counts = ", ".join(f"{n} x {kind}" for kind, n in kinds.items())
+    raise BenchError(f"no request to {url} succeeded ({counts}; e.g. {example}); the report "
+                     "above measures only failures")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -183,10 +270,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--device-step-ms 10   # a synthetic model (handler.backend: synthetic) of 10 ms steps",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("url", help="inference URL, e.g. http://127.0.0.1:8080/predictions/NAME")
+    p.add_argument("url", help="inference URL, e.g. http://127.0.0.1:8080/predictions/NAME "
+                   "(an OpenAI base URL `serve` printed is turned into it)")
     auth = p.add_mutually_exclusive_group()
     auth.add_argument("--token", help="inference token (Authorization: Bearer)")
     auth.add_argument("--token-file", help="TorchServe key_file.json; its inference key is used")
+    p.add_argument("--run-dir", default=".serve",
+                   help="run directory of `inf2serve serve` (default .serve): its key_file.json "
+                   "when no --token or --token-file is given, its server.json for hints")
     p.add_argument("--mode", choices=("sync", "concurrency", "rate", "all"), default="all")
     p.add_argument("--concurrency", type=_csv(int), default=[1, 5, 10, 20],
                    help="closed-loop concurrency levels (default 1,5,10,20)")

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -53,6 +54,14 @@ class FakeHandler(BaseHTTPRequestHandler):
         srv = self.server
         with srv.lock:
             srv.received.append((url.path, body, self.headers.get("Authorization")))
+        if url.path.startswith("/predictions/ts") and self.headers.get(
+                "Authorization") != f"Bearer {TOKEN}":  # TorchServe 0.12's token refusal
+            return self._json(400, {"code": 400, "type": "InvalidKeyException", "message":
+                                    "Token Authorization failed. Token either incorrect, "
+                                    "expired, or not provided correctly"})
+        if url.path == "/predictions/gone":
+            return self._json(404, {"code": 404, "type": "ModelNotFoundException",
+                                    "message": "Model not found: gone"})
         if self.headers.get("Authorization") != f"Bearer {TOKEN}":
             return self._json(401, {"error": {"message": "missing or bad token",
                                               "type": "auth", "field": None, "code": 401}})
@@ -277,7 +286,7 @@ def test_cli_reports_host_efficiency_against_a_device_step(server, bench_cli, tm
 def test_cli_one_line_errors(server, bench_cli, tmp_path, capsys):
     _, base = server
     rc = bench_cli(["bench", f"{base}/predictions/ok", "--mode", "sync", "--requests", "2",
-                   "--out", str(tmp_path / "r")])
+                   "--out", str(tmp_path / "r"), "--run-dir", str(tmp_path / "none")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "failed with 401" in err and "--token-file" in err
     assert len(err.splitlines()) == 1
@@ -288,3 +297,79 @@ def test_cli_one_line_errors(server, bench_cli, tmp_path, capsys):
                    "--requests", "1", "--timeout", "5", "--out", str(tmp_path / "r")])
     assert rc == 2 and "failed with connect" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def serve_run_dir(tmp_path: Path, base: str, models: list[str]) -> Path:
+    """What `inf2serve serve` leaves in its run directory: key_file.json and server.json."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "key_file.json").write_text(json.dumps({"inference": {"key": TOKEN},
+                                                   "management": {"key": "m"}}))
+    (run / "server.json").write_text(json.dumps({"inference_url": base, "models": models,
+                                                 "openai_url": f"{base}/v1"}))
+    return run
+
+
+def test_cli_takes_the_token_of_the_run_directory(server, bench_cli, tmp_path, capsys):
+    _, base = server
+    run = serve_run_dir(tmp_path, base, ["ok"])
+    rc = bench_cli(["bench", f"{base}/predictions/ok", "--mode", "sync", "--requests", "2",
+                   "--run-dir", str(run), "--out", str(tmp_path / "r")])
+    assert rc == 0
+    assert f"token from {run / 'key_file.json'}" in "".join(capsys.readouterr().out.split("\n"))
+
+
+def test_cli_without_a_token_names_torchserves_refusal_and_the_fix(server, bench_cli,
+                                                                   tmp_path, capsys):
+    """TorchServe 0.12 answers a missing token with 400 InvalidKeyException, not 401."""
+    _, base = server
+    rc = bench_cli(["bench", f"{base}/predictions/ts", "--mode", "sync", "--requests", "2",
+                   "--run-dir", str(tmp_path / "none"), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "failed with 400 ({\"code\": 400, \"type\": \"InvalidKeyException\"" in err
+    assert "pass --run-dir of `inf2serve serve` or --token-file RUN_DIR/key_file.json" in err
+
+
+def test_cli_a_wrong_model_names_the_served_ones(server, bench_cli, tmp_path, capsys):
+    _, base = server
+    run = serve_run_dir(tmp_path, base, ["ok", "other"])
+    rc = bench_cli(["bench", f"{base}/predictions/gone", "--mode", "sync", "--requests", "1",
+                   "--run-dir", str(run), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "failed with 404" in err and "8081" not in err
+    assert f"the server of {run} serves {base}/predictions/ok, {base}/predictions/other" in err
+
+
+def test_cli_exits_non_zero_when_no_request_succeeded(server, bench_cli, tmp_path, capsys):
+    _, base = server
+    rc = bench_cli(["bench", f"{base}/predictions/busy", "--token", TOKEN, "--mode", "sync",
+                   "--requests", "2", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: no request to {base}/predictions/busy succeeded "
+                                      "(2 x 503; e.g. no free slot (Retry-After: 1))"), err
+    assert (tmp_path / "r" / "bench.json").is_file()  # the report of the failures is written
+
+
+@pytest.mark.parametrize("path, posted", [("/predictions/ok/1.0/v1", "/predictions/ok/1.0"),
+                                          ("/v1", "/predictions/ok")])
+def test_cli_takes_the_openai_base_urls_serve_prints(server, bench_cli, tmp_path, capsys,
+                                                     path, posted):
+    srv, base = server
+    run = serve_run_dir(tmp_path, base, ["ok"])
+    rc = bench_cli(["bench", f"{base}{path}", "--mode", "sync", "--requests", "1",
+                   "--run-dir", str(run), "--out", str(tmp_path / "r")])
+    assert rc == 0, capsys.readouterr().err
+    assert {p for p, _, _ in srv.received} == {posted}
+    assert "OpenAI base URL" in capsys.readouterr().out.replace("\n", "")
+    (run / "server.json").write_text(json.dumps({"inference_url": base, "models": ["a", "b"]}))
+    if path == "/v1":  # two models behind one base URL: which one is the user's to say
+        rc = bench_cli(["bench", f"{base}/v1", "--run-dir", str(run), "--requests", "1"])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"inference URL: {base}/predictions/a, {base}/predictions/b" in err
+
+
+def test_a_level_given_twice_is_one_scenario() -> None:
+    from archive_tools.bench_cmd import _csv
+
+    assert _csv(int)("1,4,1") == [1, 4]
