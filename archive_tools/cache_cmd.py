@@ -28,6 +28,10 @@ DEFAULT_DIR = "neuron_cache"
 
 def _store(args: argparse.Namespace) -> CacheStore:
     root = Path(args.cache_dir)
+    if root.is_file():
+        raise Inf2ServeError(f"--cache-dir {root}: a file, not a directory; point it at a "
+                             "compile cache (handler.neuron.cache_dir inside the model "
+                             "directory)")
     if not root.is_dir():
         raise Inf2ServeError(f"--cache-dir {root}: no such directory; point it at a compile cache "
                              "(handler.neuron.cache_dir inside the model directory)")

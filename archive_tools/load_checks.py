@@ -74,6 +74,10 @@ def read_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, str]:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a YAML {type(raw).__name__}, not a mapping of keys; a "
+                          "model-config.yaml holds TorchServe's keys and a `handler:` section "
+                          "(see model_configs/tiny-llama-cpu.yaml)")
     if raw is None:
         raise ConfigError(f"{path}: empty; TorchServe 0.12 fails on an empty model-config.yaml "
                           "(NullPointerException) and takes the other models down; write at "
@@ -128,6 +132,10 @@ def check_layout(checkpoint: Path, needs_weights: bool, flag: str) -> tuple[Path
     """A serving checkpoint's files: config.json, one weight format, tokenizer files. The
     synthetic backend reads no weights (`needs_weights` False). Returns the files left
     out: a second weight format beside the safetensors."""
+    if checkpoint.is_file():
+        raise Inf2ServeError(f"{flag} {checkpoint}: a file, not a directory; pass the checkpoint "
+                             "directory (the folder holding config.json, the weights and the "
+                             "tokenizer)")
     if not checkpoint.is_dir():
         raise Inf2ServeError(f"{flag} {checkpoint}: no such directory")
     if not (checkpoint / "config.json").is_file():

@@ -123,14 +123,25 @@ def cast(tensor, dtype):
     return tensor.to(dtype).contiguous()
 
 
+#: JSON files of a checkpoint that `prepare` reads or rewrites: each is read up front, so
+#: a damaged one is named (and exits 2) before any work
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "added_tokens.json", "chat_template.json")
+
+
 def _check_src(src: Path) -> None:
+    if src.is_file():
+        raise Inf2ServeError(f"SRC {src}: a file, not a directory; pass the Hugging Face "
+                             "checkpoint directory (the output of save_pretrained)")
     if not src.is_dir():
         raise Inf2ServeError(f"SRC {src}: no such directory")
     check_layout(src)  # each family's hub layout: archive_tools/hub_layout.py
     if not (src / "config.json").is_file():
         raise Inf2ServeError(f"SRC {src}: no config.json; pass a Hugging Face checkpoint "
                              "directory (the output of save_pretrained)")
-    _read_json(src / "config.json")
+    for name in JSON_FILES:
+        if (src / name).is_file():
+            _read_json(src / name)
     if not any((src / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise Inf2ServeError(f"SRC {src}: no tokenizer files (tokenizer.json, tokenizer.model or "
                              "vocab.json); save the tokenizer into the checkpoint directory")

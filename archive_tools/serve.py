@@ -342,6 +342,9 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
     RUN_DIR/metrics, emptied here), TorchServe's, and with `neuron_monitor` the device's
     (archive_tools/neuron_monitor)."""
     model_store = Path(model_store)
+    if model_store.is_file():
+        raise Inf2ServeError(f"--model-store {model_store}: a file, not a directory; pass the "
+                             "folder `inf2serve package --out` wrote the archives to")
     if not model_store.is_dir():
         raise Inf2ServeError(f"--model-store {model_store}: no such directory")
     specs = [_model_spec(model_store, m) for m in models] or store_archives(model_store)

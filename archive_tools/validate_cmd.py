@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from archive_tools.neuron_sizing import (
 )
 from handlers.backends import capabilities_for
 from handlers.backends.capabilities import check_defaults
+from handlers.checkpoint_checks import read_json
 from handlers.config import ModelConfig
 from handlers.errors import ConfigError
 from handlers.families import ARCHITECTURES as KNOWN_CONFIGS
@@ -80,7 +80,7 @@ def resolve_arch(cfg: ModelConfig, checkpoint: Path | None, model_json: Path | N
     if path is not None:
         if not path.is_file():
             raise ConfigError(f"{path}: no such file; pass a checkpoint directory or config.json")
-        return arch_from_config_json(json.loads(path.read_text(encoding="utf-8")))
+        return arch_from_config_json(read_json(path))  # a damaged file is named
     name = cfg.handler.neuron.architecture
     if not name:
         return None
@@ -297,15 +297,15 @@ def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
              label: str = "the model", weights: Weights | None = None) -> Report:
     """Every problem found (empty = fits), warnings with numbers, and what was not checked."""
     h, report = cfg.handler, Report()
-    if h.backend not in ("neuron", "nxdi"):
-        report.notes.append(f"backend {h.backend}: no Neuron checks")
-        return report
-    n = h.neuron
-    if instance and instance not in INSTANCES:
+    if instance and instance not in INSTANCES:  # whatever the backend: a typo is a typo
         close = difflib.get_close_matches(instance, list(INSTANCES), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"--instance {instance!r}: unknown{hint} (known: "
                           f"{', '.join(INSTANCES)})")
+    if h.backend not in ("neuron", "nxdi"):
+        report.notes.append(f"backend {h.backend}: no Neuron checks")
+        return report
+    n = h.neuron
     if h.backend == "nxdi":
         return validate_nxdi(cfg, arch, instance, label)
     if cfg.frontend.device_type != "neuron":
