@@ -278,7 +278,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", default=".serve",
                    help="run directory of `inf2serve serve` (default .serve): its key_file.json "
                    "when no --token or --token-file is given, its server.json for hints")
-    p.add_argument("--mode", choices=("sync", "concurrency", "rate", "all"), default="all")
+    p.add_argument("--mode", choices=("sync", "concurrency", "rate", "all"), default="all",
+                   help="which scenarios to run (default all; see modes above)")
     p.add_argument("--concurrency", type=_csv(int), default=[1, 5, 10, 20],
                    help="closed-loop concurrency levels (default 1,5,10,20)")
     p.add_argument("--rates", type=_csv(float), default=[0.5, 1.0, 2.0],
@@ -294,18 +295,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", type=Path,
                    help="local tokenizer directory that sizes --prompt-tokens exactly "
                    "(default: one word counts as one token)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens each request asks for (default 64)")
     p.add_argument("--min-new-tokens", type=int, default=0,
                    help="suppress EOS until this many tokens, for equal-length outputs")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="prompts, arrivals and request seeds")
     p.add_argument("--price-per-hour", type=float, help="instance USD/hour, for $/1M tokens")
     p.add_argument("--timeout", type=float, default=loadgen.DEFAULT_TIMEOUT_S,
-                   help="seconds per request before it counts as a timeout error")
+                   help="seconds per request before it counts as a timeout error (default "
+                   f"{loadgen.DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--out", type=Path, default=Path("bench-results"),
                    help="report directory (default bench-results); if it holds a report "
                    "already, a new timestamped folder inside it (unless --append)")
-    p.add_argument("--label", default="default", help="name of this setup in the report")
+    p.add_argument("--label", default="default",
+                   help="name of this setup in the report (default: default)")
     p.add_argument("--device-step-ms", type=float,
                    help="the served model's decode step (a synthetic backend's decode_step_ms): "
                    "adds host efficiency, tokens/s / (streams / step), per concurrency level "

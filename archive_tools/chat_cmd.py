@@ -203,7 +203,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="an OpenAI base URL (repeat for several; default: every model of the "
                    "server of --run-dir)")
     p.add_argument("--run-dir", default=str(serve.DEFAULT_RUN_DIR),
-                   help="the run directory of `inf2serve serve` (its URLs and token)")
+                   help="the run directory of `inf2serve serve` (its URLs and token; default "
+                   f"{serve.DEFAULT_RUN_DIR})")
     auth = p.add_argument_group("token (default: the run directory's key_file.json)")
     auth.add_argument("--token", help="bearer token (visible to `ps`: prefer --token-file)")
     auth.add_argument("--token-file", help="TorchServe key_file.json, read for every request")

@@ -169,7 +169,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument("--arch", choices=list(FAMILIES), default="llama",
                    help="model family (default: llama)")
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                   help="; ".join(f"{name}: {s.layers} layers of {s.hidden}, {s.vocab} tokens"
+                                  for name, s in SIZES.items()) + " (default tiny)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights (default 0): the same seed, the same model")
     p.add_argument("--force", action="store_true", help="replace an existing directory")
     p.set_defaults(func=_run)

@@ -222,7 +222,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "  inf2serve export --target kubernetes model_store/llama deploy/k8s-llama \\\n"
         "      --image ECR/llama:1 --replicas 2 --namespace llm",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, choices=TARGETS)
+    p.add_argument("--target", required=True, choices=TARGETS,
+                   help="where it will run: " + ", ".join(TARGETS))
     p.add_argument("archive", metavar="ARCHIVE", help=".mar, .tar.gz or archive folder")
     p.add_argument("out", metavar="OUT", help="output directory (written atomically)")
     p.add_argument("--link", action="store_true",

@@ -34,6 +34,7 @@ import importlib.metadata
 import importlib.util
 import io
 import re
+import shlex
 import tarfile
 import zipfile
 from dataclasses import dataclass
@@ -462,7 +463,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     target = execute(plan, show_progress=True)
     print(f"packaged {args.name} -> {target}")
-    print(f"next: inf2serve serve --model-store {target.parent} --models {args.name}")
+    print(f"next: inf2serve serve --model-store {shlex.quote(str(target.parent))} --models "
+          f"{shlex.quote(args.name)}")
     return 0
 
 
@@ -487,12 +489,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", required=True, help="model name (archive name)")
     p.add_argument("--format", choices=list(FORMATS), default="mar",
                    help="mar (zip, deflate), tgz, zip-store (zip, no compression) or no-archive "
-                   "(a folder: fastest to write and to load; best for large models)")
-    p.add_argument("--out", default="model_store", help="model store directory")
+                   "(a folder: fastest to write and to load; best for large models); default mar")
+    p.add_argument("--out", default="model_store",
+                   help="model store directory (default model_store)")
     p.add_argument("--version", default="1.0", help="model version (the manifest's; "
-                   "TorchServe serves it as /predictions/NAME/VERSION)")
+                   "TorchServe serves it as /predictions/NAME/VERSION; default 1.0)")
     p.add_argument("--runtime", default="python", choices=RUNTIMES,
-                   help="the manifest's runtime, as torch-model-archiver's (python)")
+                   help="the manifest's runtime, as torch-model-archiver's (default python)")
     p.add_argument("--handler", metavar="FILE.py",
                    help="your handler: a .py file with one subclass of GenerationHandler "
                    "(override make_backend, serve_one, ...); it replaces the stock one")

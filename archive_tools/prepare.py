@@ -269,30 +269,40 @@ def prepare(src: Path, out: Path, *, amp: str | None = None, legacy_split: bool 
     return out
 
 
+#: --dtype takes handler.dtype's names; --amp, the older flag, the short ones
+DTYPE_AMP = {dtype: amp for amp, dtype in AMP_DTYPES.items()}
+
+
 def _run(args: argparse.Namespace) -> int:
-    amp = args.amp or (amp_from_config(Path(args.config)) if args.config else None)
+    amp = (DTYPE_AMP[args.dtype] if args.dtype else args.amp) or (
+        amp_from_config(Path(args.config)) if args.config else None)
     out = prepare(Path(args.src), Path(args.out), amp=amp, legacy_split=args.legacy_split,
                   force=args.force, show_progress=True)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     layout = "legacy split (pytorch_model.bin/)" if args.legacy_split else "safetensors"
-    print(f"prepared {out} ({layout}, {amp or 'source dtype'}, {human(size)})")
+    print(f"prepared {out} ({layout}, {AMP_DTYPES[amp] if amp else 'source dtype'}, "
+          f"{human(size)})")
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepare", help="turn a Hugging Face checkpoint into a serving checkpoint",
-        description="Write a serving checkpoint: weights cast to the amp dtype (safetensors, or "
+        description="Write a serving checkpoint: weights cast to --dtype (safetensors, or "
         "the legacy split layout of older transformers-neuronx), config.json, "
         "generation_config.json and tokenizer files. Tensors are streamed, not loaded as a model."
-        "\n\nexamples:\n  inf2serve prepare ~/hf/Llama-2-7b-hf work/llama-7b --amp bf16\n"
+        "\n\nexamples:\n  inf2serve prepare ~/hf/Llama-2-7b-hf work/llama-7b --dtype bfloat16\n"
         "  inf2serve prepare ~/hf/Llama-2-7b-hf work/llama-7b-split --legacy-split "
         "--config model_configs/llama-2-7b/inf2.xlarge-latency.yaml",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="Hugging Face checkpoint directory")
     p.add_argument("out", help="output directory (written atomically)")
-    p.add_argument("--amp", choices=list(AMP_DTYPES),
-                   help="cast floating weights to this dtype (default: --config's, else keep)")
+    cast = p.add_mutually_exclusive_group()
+    cast.add_argument("--dtype", choices=list(DTYPE_AMP),
+                      help="cast floating weights to this dtype, named as handler.dtype names it "
+                      "(default: --config's handler.dtype, else keep the checkpoint's)")
+    cast.add_argument("--amp", choices=list(AMP_DTYPES),
+                      help="the same as --dtype, in short names (bf16 = bfloat16)")
     p.add_argument("--config", help="model-config.yaml to take the dtype from (handler.dtype)")
     p.add_argument("--legacy-split", action="store_true",
                    help="pytorch_model.bin/ with one file per key (save_pretrained_split layout)")

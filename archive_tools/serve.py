@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -76,7 +77,7 @@ class Server:
 
     def curl_example(self, model: str, prompt: str = "Once upon a time") -> str:
         body = json.dumps({"prompt": prompt, "max_new_tokens": 32})
-        return (f"curl -N -H 'Authorization: Bearer {self.inference_token}' "
+        return (f"curl -sN -H 'Authorization: Bearer {self.inference_token}' "
                 f"-H 'Content-Type: application/json' "
                 f"{self.inference_url}/predictions/{model} -d '{body}'")
 
@@ -219,14 +220,20 @@ def log_tail(run_dir: Path, lines: int = 60) -> str:
 Progress = Callable[[str], None]
 
 
-def _progress_line(server: Server, model: str, waited_s: float,
+def _progress_line(server: Server, models: list[str], waited_s: float,
                    sizes: dict[str, int] | None) -> str:
-    """'llama: loading (23 s) - log: ...', with the worker's last log line when there is one
-    (on Inf2 that is where compilation shows)."""
+    """'llama: loading (23 s) - log: ...' (several models: 'a, b: loading ...'), with the
+    last line a worker of the first of them wrote when there is one (on Inf2 that is where
+    compilation shows): one line per tick however many models load."""
     log = server.run_dir / "logs" / "model_log.log"
-    last = ts_logs.last_worker_line(server.run_dir, model, sizes or {})
-    last = f"; last: {last[:100]}{'...' if len(last) > 100 else ''}" if last else ""
-    return f"{model}: loading ({waited_s:.0f} s) - log: {log}{last}"
+    last, who = "", ""
+    for model in models:
+        last = ts_logs.last_worker_line(server.run_dir, model, sizes or {})
+        if last:
+            who = f"{model}: " if len(models) > 1 else ""
+            break
+    last = f"; last: {who}{last[:100]}{'...' if len(last) > 100 else ''}" if last else ""
+    return f"{', '.join(models)}: loading ({waited_s:.0f} s) - log: {log}{last}"
 
 
 def wait_ready(server: Server, models: list[str], timeout_s: float,
@@ -246,8 +253,7 @@ def wait_ready(server: Server, models: list[str], timeout_s: float,
     next_report = started + progress_every_s
     while pending:
         if progress is not None and time.monotonic() >= next_report:
-            for name in pending:
-                progress(_progress_line(server, name, time.monotonic() - started, log_sizes))
+            progress(_progress_line(server, pending, time.monotonic() - started, log_sizes))
             next_report = time.monotonic() + progress_every_s
         if not _alive(server.pid):
             why = ts_logs.frontend_exit(server.run_dir, log_sizes or {})
@@ -364,7 +370,7 @@ def start(model_store: Path, models: list[str], run_dir: Path = DEFAULT_RUN_DIR,
                              "server's config, keys and logs")
     if _alive(_pid(run_dir)):
         raise Inf2ServeError(f"a TorchServe is already running from {run_dir}; "
-                             f"stop it with `inf2serve stop --run-dir {run_dir}`")
+                             f"stop it with `inf2serve stop --run-dir {shlex.quote(str(run_dir))}`")
     run_dir.mkdir(parents=True, exist_ok=True)
     if neuron_monitor:
         neuron_monitor_module.find()  # refused in one line before anything starts
@@ -481,7 +487,8 @@ def fresh_token(run_dir: Path = DEFAULT_RUN_DIR, kind: str = "inference") -> tup
                        headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
     except httpx.HTTPError as exc:
         raise Inf2ServeError(f"TorchServe at {info['management_url']} did not answer ({exc}); "
-                             f"is it running? (inf2serve serve --run-dir {run_dir})") from exc
+                             f"is it running? (inf2serve serve --run-dir "
+                             f"{shlex.quote(str(run_dir))})") from exc
     if r.status_code != 200:
         raise Inf2ServeError(f"TorchServe refused a new token: {r.status_code} {r.text.strip()}")
     keys = json.loads((run_dir / "key_file.json").read_text())[kind]

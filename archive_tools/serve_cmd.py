@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Sequence
@@ -20,13 +21,15 @@ from handlers.errors import Inf2ServeError
 
 
 def _cli_command() -> str:
-    """How to call this CLI again from here: `inf2serve` when it is on PATH, else its path."""
+    """How to call this CLI again from here: `inf2serve` when it is on PATH, else its path
+    (quoted for a shell, as every path in a printed command)."""
     if shutil.which("inf2serve"):
         return "inf2serve"
     script = Path(sys.executable).parent / "inf2serve"
     if script.exists():
-        return os.path.relpath(script) if Path.cwd() in script.parents else str(script)
-    return f"{sys.executable} -m archive_tools.cli"
+        return shlex.quote(os.path.relpath(script) if Path.cwd() in script.parents
+                           else str(script))
+    return f"{shlex.quote(sys.executable)} -m archive_tools.cli"
 
 
 def describe(server: serve.Server, models: str | Sequence[str], run_dir: str) -> str:
@@ -57,9 +60,9 @@ def describe(server: serve.Server, models: str | Sequence[str], run_dir: str) ->
         "try it:",
         "  " + server.curl_example(model),
         f"the token expires in {serve.TOKEN_EXPIRY_MIN // 60} h; a fresh one:",
-        f"  {_cli_command()} token --run-dir {run_dir}",
+        f"  {_cli_command()} token --run-dir {shlex.quote(str(run_dir))}",
         "stop it:",
-        f"  {_cli_command()} stop --run-dir {run_dir}",
+        f"  {_cli_command()} stop --run-dir {shlex.quote(str(run_dir))}",
     ])
 
 
@@ -105,11 +108,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Start TorchServe (127.0.0.1, token auth on, model API off) and wait until "
         "the models are READY.\n\nexamples:\n  inf2serve serve --model-store model_store "
         "--models tiny-llama", formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-store", required=True)
+    p.add_argument("--model-store", required=True,
+                   help="folder of archives (.mar, .tar.gz or folders) `inf2serve package --out` "
+                   "wrote")
     p.add_argument("--models", nargs="*", help="NAME or NAME=ARCHIVE (default: all in the store)")
-    p.add_argument("--run-dir", default=str(serve.DEFAULT_RUN_DIR), help="config, keys and logs")
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for READY")
+    p.add_argument("--run-dir", default=str(serve.DEFAULT_RUN_DIR),
+                   help=f"config, keys and logs (default {serve.DEFAULT_RUN_DIR})")
+    p.add_argument("--workers", type=int, default=1,
+                   help="workers per model, each with its own copy of the model (default 1)")
+    p.add_argument("--timeout", type=float, default=900,
+                   help="seconds to wait for every model to be READY (default 900; a first "
+                   "Neuron compile can take most of it)")
     p.add_argument("--install-py-dep-per-model", action="store_true",
                    help="let TorchServe pip-install each archive's requirements.txt into its "
                    "model folder at load (install_py_dep_per_model=true; needs network)")
@@ -134,10 +143,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the new one replaces the old.\n\nexamples:\n  inf2serve token\n"
         "  curl -H \"Authorization: Bearer $(inf2serve token -q)\" ...",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--run-dir", default=str(serve.DEFAULT_RUN_DIR))
-    t.add_argument("--type", default="inference", choices=("inference", "management"))
+    t.add_argument("--run-dir", default=str(serve.DEFAULT_RUN_DIR),
+                   help=f"the --run-dir `inf2serve serve` was given (default "
+                   f"{serve.DEFAULT_RUN_DIR})")
+    t.add_argument("--type", default="inference", choices=("inference", "management"),
+                   help="which token (default inference, the one requests need)")
     t.add_argument("-q", "--quiet", action="store_true", help="print the token only")
     t.set_defaults(func=_token)
-    s = sub.add_parser("stop", help="stop a TorchServe started by `inf2serve serve`")
-    s.add_argument("--run-dir", default=str(serve.DEFAULT_RUN_DIR))
+    s = sub.add_parser("stop", help="stop a TorchServe started by `inf2serve serve`",
+                       description="Stop the TorchServe (and the OpenAI router beside it) that "
+                       "`inf2serve serve` started from --run-dir, and its workers.\n\n"
+                       "examples:\n  inf2serve stop\n  inf2serve stop --run-dir /srv/run",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--run-dir", default=str(serve.DEFAULT_RUN_DIR),
+                   help=f"the --run-dir `inf2serve serve` was given (default "
+                   f"{serve.DEFAULT_RUN_DIR})")
     s.set_defaults(func=_stop)

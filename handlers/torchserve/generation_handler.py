@@ -30,7 +30,7 @@ from handlers.engine.core import Observer
 from handlers.engine.messages import LastWords
 from handlers.engine.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.errors import CapacityError, RequestError
-from handlers.torchserve import worker_service
+from handlers.torchserve import log_filters, worker_service
 from handlers.torchserve.metrics import MetricsReporter, recorder_for, worker_id
 from handlers.torchserve.service import GenerationService
 
@@ -254,6 +254,7 @@ class GenerationHandler:
         self._handed_over = False  # the engine process answers for this worker if it dies
 
     def initialize(self, context: Any) -> None:
+        log_filters.install()  # a malformed body: one log line, not a traceback
         model_dir = Path(context.system_properties["model_dir"])
         # the checks `package` ran, run again on the archive: refused here, before any load
         config = load_worker_config(context.model_yaml_config, model_dir)

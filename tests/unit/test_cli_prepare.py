@@ -81,7 +81,17 @@ def test_legacy_split_layout(tiny_checkpoint: Path, tmp_path: Path) -> None:
 
 def test_amp_from_config(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
     code = main(["prepare", str(tiny_checkpoint), str(tmp_path / "out"), "--config", str(CONFIG)])
-    assert code == 0 and "f32" in capsys.readouterr().out  # torch backend, dtype float32
+    assert code == 0 and "float32" in capsys.readouterr().out  # torch backend, dtype float32
+
+
+@pytest.mark.parametrize("flag", [["--dtype", "bfloat16"], ["--amp", "bf16"]])
+def test_dtype_takes_the_configs_names(flag: list[str], tiny_checkpoint: Path, tmp_path: Path,
+                                       capsys) -> None:
+    """--dtype bfloat16, as handler.dtype spells it; --amp bf16 still works."""
+    out = tmp_path / "out"
+    assert main(["prepare", str(tiny_checkpoint), str(out), *flag]) == 0
+    assert "safetensors, bfloat16," in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_force_replaces(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -68,3 +68,27 @@ def test_frontend_heap_option(monkeypatch, capsys) -> None:
     assert main(["serve", "--model-store", "x", "--frontend-heap-mb", "16"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith("error: --frontend-heap-mb 16: ") and "at least 64" in err
+
+
+def test_printed_commands_quote_paths_with_spaces(tmp_path: Path, monkeypatch, capsys) -> None:
+    """What serve and package print is pasted into a shell: a path with a space is quoted."""
+    import shlex
+
+    server = serve.Server(tmp_path, "http://127.0.0.1:1001", "http://127.0.0.1:1002",
+                          "http://127.0.0.1:1003", "tok-inf", "tok-mgmt", 1)
+    monkeypatch.setattr(serve, "model_version", lambda s, m: "1.0")
+    run_dir = str(tmp_path / "my störe 2" / "run")
+    lines = serve_cmd.describe(server, "tiny", run_dir).splitlines()
+    stop, token = lines[-1].strip(), lines[-3].strip()
+    assert shlex.split(stop)[-2:] == ["--run-dir", run_dir]
+    assert shlex.split(token)[-2:] == ["--run-dir", run_dir]
+    assert server.curl_example("tiny").startswith("curl -sN ")  # no progress meter in a pipe
+    from tests.unit.test_cli_package import CONFIG, make_checkpoint
+
+    store = tmp_path / "my störe 2"
+    assert main(["package", "--config", str(CONFIG), "--checkpoint",
+                 str(make_checkpoint(tmp_path / "ckpt")), "--name", "tiny", "--out",
+                 str(store)]) == 0
+    nxt = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("next:"))
+    assert shlex.split(nxt)[1:] == ["inf2serve", "serve", "--model-store", str(store), "--models",
+                                    "tiny"]
