@@ -17,7 +17,6 @@ commands that call them, and what `serve` prints, are archive_tools/serve_cmd.py
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -26,7 +25,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable
@@ -39,6 +37,7 @@ from archive_tools import neuron_monitor as neuron_monitor_module
 from archive_tools import openai_router, ts_logs
 from archive_tools.jvm_options import FrontendMemory, merge_vmargs
 from archive_tools.ports import free_port
+from archive_tools.short_tmp import drop_short_tmp, short_tmp
 from archive_tools.ts_logs import FRONTEND_OUT, LoadWatch, load_failure, log_sizes, settle
 from handlers.errors import Inf2ServeError
 from handlers.telemetry.recorder import METRICS_DIR_ENV
@@ -53,12 +52,6 @@ START_ATTEMPTS = 3
 PROGRESS_EVERY_S = 10.0
 #: what the model store must hold for `serve` to find a model (package.FORMATS' files)
 ARCHIVE_SUFFIXES = (".mar", ".tar.gz")
-#: bytes of a Unix socket path (sun_path is 108 on Linux, with its NUL)
-SOCKET_PATH_MAX = 107
-#: where short_tmp puts its link: /tmp whatever $TMPDIR says, as the socket's length must
-#: not depend on a path the user chose; $TMPDIR's directory only where /tmp is not writable
-SHORT_TMP_BASES = ("/tmp",)
-MAX_PORT = 65535  # the longest port number a worker socket's name can end in
 
 
 @dataclass(frozen=True)
@@ -120,44 +113,6 @@ def write_config_properties(run_dir: Path, model_store: Path, ports: tuple[int, 
     path = run_dir / "config.properties"
     path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
     return path
-
-
-def short_tmp(run_dir: Path) -> Path:
-    """A short path to RUN_DIR/tmp for TorchServe's temp directory: BASE/inf2s-XXXXXXXX/t, a
-    symlink in a directory of our own (0700, mkdtemp), the earlier one of this run directory
-    replaced. The frontend puts each worker's Unix socket there (java.io.tmpdir/.ts.sock.PORT,
-    model_service_worker.py binds it), and a socket path holds at most SOCKET_PATH_MAX bytes:
-    a long --run-dir (or a long $TMPDIR under the tests) would kill every worker with
-    "OSError: AF_UNIX path too long". The files stay in RUN_DIR/tmp; only the name is short."""
-    drop_short_tmp(run_dir)
-    tmp = run_dir / "tmp"
-    tmp.mkdir(exist_ok=True)
-    base = next((b for b in SHORT_TMP_BASES if os.path.isdir(b) and os.access(b, os.W_OK)),
-                tempfile.gettempdir())
-    link = Path(tempfile.mkdtemp(prefix="inf2s-", dir=base)) / "t"
-    link.symlink_to(tmp, target_is_directory=True)
-    (run_dir / ts_logs.TMP_LINK_FILE).write_text(str(link))
-    socket = f"{link}/.ts.sock.{MAX_PORT}"
-    if len(socket.encode()) > SOCKET_PATH_MAX:
-        drop_short_tmp(run_dir)
-        raise Inf2ServeError(f"TorchServe's worker sockets would be {socket} "
-                             f"({len(socket.encode())} bytes), past the {SOCKET_PATH_MAX}-byte "
-                             "limit of a Unix socket path; set TMPDIR to a short directory")
-    return link
-
-
-def drop_short_tmp(run_dir: Path) -> None:
-    """Remove the short link `short_tmp` made for `run_dir` (its directory holds only it)."""
-    record = run_dir / ts_logs.TMP_LINK_FILE
-    try:
-        link = Path(record.read_text().strip())
-    except OSError:
-        return
-    if link.name == "t" and link.parent.name.startswith("inf2s-") and link.is_symlink():
-        link.unlink()
-        with contextlib.suppress(OSError):
-            link.parent.rmdir()
-    record.unlink(missing_ok=True)
 
 
 def _server_env(run_dir: Path, env: dict[str, str] | None) -> dict[str, str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from archive_tools import serve
+from archive_tools import serve, short_tmp
 from archive_tools.cli import main
 from archive_tools.package import package
 from tests.e2e.harness import attach_logs_fixture, make_config, post, running_server
@@ -45,7 +45,7 @@ def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
                  "dual", "--out", str(root / "store")]) == 0
     # TorchServe's worker sockets would be RUN/tmp/.ts.sock.9000: 130+ bytes, past 107
     run = root / ("a-long-run-directory-" * 5) / "run"
-    assert len(str(run / "tmp" / ".ts.sock.9000")) > serve.SOCKET_PATH_MAX
+    assert len(str(run / "tmp" / ".ts.sock.9000")) > short_tmp.SOCKET_PATH_MAX
     with running_server(root / "store", run, ["dual"],
                         extra_props={"token_expiration_min": str(EXPIRY_MIN)}) as s:
         yield s
