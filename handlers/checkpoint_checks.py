@@ -6,7 +6,11 @@ and `compile` (archive_tools/load_checks.py) and by the worker's own start
 (GenerationHandler.initialize). Both run the functions here, so packaging and the worker
 cannot disagree about what loads. They live in the runtime every archive carries, which
 may not import archive_tools, and read only small JSON files and safetensors headers (an
-8-byte little-endian length, then JSON): no tensor data, no torch.
+8-byte little-endian length, then JSON): no tensor data, no torch. What they check: the
+frontend keys, the weights (headers, index, dtypes, and each tensor's shape against
+config.json: handlers/checkpoint_shapes.py), positions, that every chat template compiles,
+for a Neuron backend what transformers 4.x reads (handlers/transformers4_rules.py), and
+generation_config.json's sampling values.
 """
 
 from __future__ import annotations
