@@ -268,8 +268,9 @@ def make_app(upstream: Upstream, read_timeout_s: float = READ_TIMEOUT_S,
         try:
             async with client.post(upstream.cancel_url(model), json={"client_id": client_id},
                                    headers=headers, timeout=cancel_timeout) as r:
+                answered = (await r.read())[:100].decode("utf-8", errors="replace")
                 log.info("client %s left: cancel answered %s %s", client_id, r.status,
-                         (await r.read())[:100])
+                         " ".join(answered.split()))  # text, not a bytes repr
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.warning("client %s left; the cancel failed: %r", client_id, exc)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -105,9 +106,11 @@ def test_a_chat_goes_to_the_model_it_names_and_streams_as_it_comes() -> None:
     run(test)
 
 
-def test_a_client_that_leaves_mid_stream_is_cancelled_upstream_with_its_token() -> None:
+def test_a_client_that_leaves_mid_stream_is_cancelled_upstream_with_its_token(caplog) -> None:
     """TorchServe tells a worker nothing of a disconnect; the router, which holds the
-    client's connection, tells the model (generation_handler's inf2serve/cancel)."""
+    client's connection, tells the model (generation_handler's inf2serve/cancel), and logs
+    its answer as text."""
+    caplog.set_level(logging.INFO, logger="inf2serve.router")
     async def test(client, seen, gate) -> None:
         r = await client.post("/v1/chat/completions", headers=AUTH,
                               json={"model": "alpha", "messages": [], "stream": True})
@@ -122,6 +125,11 @@ def test_a_client_that_leaves_mid_stream_is_cancelled_upstream_with_its_token() 
         assert ("/predictions/alpha/1.0/inf2serve/cancel",
                 json.dumps({"client_id": client_id}).encode()) in seen
         assert ("cancel-auth", f"Bearer {TOKEN}".encode()) in seen
+        for _ in range(50):
+            if "cancel answered" in caplog.text:
+                break
+            await asyncio.sleep(0.1)
+        assert 'cancel answered 200 {"cancelled": true}' in caplog.text, caplog.text
 
     run(test)
 
