@@ -476,7 +476,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--instance", help=f"one of {', '.join(INSTANCES)}")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="serving checkpoint directory: runs the load checks "
-                     "of `package` and the worker (weights headers, positions, tokenizer, chat "
-                     "template, generation defaults) and reads its config.json")
+                     "of `package` and the worker (weights headers and shapes against "
+                     "config.json, positions, tokenizer, the chat template compiled and "
+                     "rendered, generation defaults; for neuron and nxdi, a load under each "
+                     "transformers 4.x found) and reads its config.json")
     src.add_argument("--model-json", help="a config.json of the model")
     p.set_defaults(func=_run)
