@@ -492,3 +492,18 @@ def test_validate_names_the_generation_defaults_it_took(tiny_checkpoint: Path, t
     assert code == 0
     assert (f"note: handler.defaults from {ckpt / 'generation_config.json'}: top_p 0.9, "
             "top_k 40") in out
+
+
+def test_validate_names_the_generation_values_it_left_out_and_why(tiny_checkpoint: Path,
+                                                                  tmp_path: Path,
+                                                                  capsys) -> None:
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+    edit_json("generation_config.json", top_p=2.0, temperature=-1)(ckpt)
+    config = write_config(tmp_path / "c.yaml", {"defaults": {"max_new_tokens": 32}})
+    code, out, _ = run(capsys, "validate", str(config), "--checkpoint", str(ckpt))
+    assert code == 0, out
+    where = ckpt / "generation_config.json"
+    for key, value, why in (("top_p", "2.0", "outside (0, 1]"),
+                            ("temperature", "-1", "outside [0, 100]")):
+        assert (f"warning: {where}: {key} {value} is not used as a default ({why}, the range "
+                f"a request may ask for); fix the file, or set handler.defaults.{key}") in out
