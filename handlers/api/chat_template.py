@@ -2,13 +2,15 @@
 
 Which template: `handler.chat_template` when set (a preset name, inline Jinja, or a
 file in the checkpoint directory, which is what gets packaged), else the
-tokenizer's own. Presets are data looked up by exact name (handlers/presets/). The rendered prompt
-is tokenized without a second BOS when the template already wrote one.
+tokenizer's own. Presets are data looked up by exact name (handlers/presets/). The
+rendered prompt is tokenized without a second BOS when the template already wrote one.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,21 +57,31 @@ def template_for(tokenizer: Any, setting: str) -> str:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], setting: str = "",
-                tools: list[dict[str, Any]] | None = None) -> str:
-    """Apply the chat template (with `tools` when given); a template's raise_exception
-    becomes a 400 on `messages`."""
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """Apply the chat template (with `tools` when given, and any extra template variables);
+    a template's raise_exception becomes a 400 on `messages`."""
     from jinja2.exceptions import TemplateError
 
     template = template_for(tokenizer, setting)
     extra = {"tools": tools} if tools else {}
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True, **extra)
+        text = tokenizer.apply_chat_template(list(messages), chat_template=template,
+                                             tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}), **extra)
     except TemplateError as exc:
         raise RequestError("messages", f"chat template rejected the messages: {exc}") from exc
     if not isinstance(text, str):  # defensive: some versions return a list for one chat
         text = text[0]
     return text
+
+
+def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], setting: str = "",
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
+    """A chat's prompt text and its token ids (render_chat, then encode_chat)."""
+    text = render_chat(tokenizer, list(messages), setting, tools, template_kwargs)
+    return text, encode_chat(tokenizer, text)
 
 
 #: the tool the template probe renders; no real tool is called this
@@ -79,14 +91,31 @@ PROBE_TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {}}}}]
 
 
-def takes_tools(tokenizer: Any, setting: str = "") -> bool:
-    """Whether the chat template has a tool format: a probe tool's name shows up in the
-    prompt it renders (transformers before 4.42 passes no tools to templates: False)."""
+@dataclass(frozen=True)
+class ToolFormat:
+    """What a chat template does with tools: whether it shows them in the prompt, and what
+    it writes for an assistant turn that calls one (how the model will write its calls)."""
+
+    takes_tools: bool = False
+    probe_call: str = ""
+
+
+def tool_format(tokenizer: Any, setting: str = "") -> ToolFormat:
+    """Both probes of the template's tool format at once (each rendered once per template):
+    a request with tools asks this once."""
     try:
         template = template_for(tokenizer, setting)
     except RequestError:
-        return False
-    return _takes_tools(tokenizer, template)
+        return ToolFormat()
+    if not _takes_tools(tokenizer, template):
+        return ToolFormat()
+    return ToolFormat(True, _rendered_probe_call(tokenizer, template))
+
+
+def takes_tools(tokenizer: Any, setting: str = "") -> bool:
+    """Whether the chat template has a tool format: a probe tool's name shows up in the
+    prompt it renders (transformers before 4.42 passes no tools to templates: False)."""
+    return tool_format(tokenizer, setting).takes_tools
 
 
 @functools.lru_cache(maxsize=16)

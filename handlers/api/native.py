@@ -1,6 +1,7 @@
 """The API contract, and the native API: what a request becomes before it runs.
 
-An API turns a request body into a validated GenerationRequest plus the framer that
+An API parses a request body once into a typed request, and prepares from it the
+GenerationRequest as it will run (fitted to the model's context) plus the framer that
 writes its answer (or an immediate answer, e.g. a model listing). Every API shares the
 same engine, batching, streaming and validation: there is no second code path for
 generation. Which API a request speaks is chosen by its path (handlers/api/routes.py).
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from handlers.api.framing import Framer, TextFramer, native_framer
-from handlers.api.request import GenerationRequest, decode_body, parse_request
+from handlers.api.request import GenerationRequest, fit_to_context, parse_native
 from handlers.backends.capabilities import check_sampling
 
 
@@ -48,8 +49,11 @@ class NativeApi:
     error_framer: Framer = TextFramer()
 
     def prepare(self, payload: Any, content_type: str, service: Any) -> Prepared:
-        body = decode_body(payload, content_type, string_is_prompt=True)
-        request = parse_request(body, service.config.handler)
+        request = parse_native(payload, content_type, service.config.handler)
         check_sampling(request.sampling, service.limits.capabilities)
+        prompt_ids = service.encode(request.prompt)
+        limits = service.limits
+        request = fit_to_context(request, len(prompt_ids), limits.max_length,
+                                 limits.max_prompt_length)
         framer = native_framer(request.stream, request.stream_format, request.details)
-        return Prepared(request, service.encode(request.prompt), framer)
+        return Prepared(request, prompt_ids, framer)

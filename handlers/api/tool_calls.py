@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from handlers.api.chat_template import rendered_probe_call
+from handlers.api.chat_template import rendered_probe_call, tool_format
 from handlers.api.request import brief
 from handlers.api.tool_parsers import ToolCallReader, parser_for
 from handlers.errors import RequestError
@@ -126,3 +126,26 @@ def call_reader(tokenizer: Any, setting: str, tools: list[dict[str, Any]]) -> To
     """How the answer's calls are read: the format the chat template teaches (its probe
     call, rendered once per template), and the tools the prompt showed."""
     return ToolCallReader.of(parser_for(rendered_probe_call(tokenizer, setting)), tools)
+
+
+def for_template(asked: ToolRequest | None, tool_turn: str | None, tokenizer: Any,
+                 setting: str) -> tuple[list[dict[str, Any]] | None, ToolCallReader | None]:
+    """What the chat template's tool format makes of a request: the tools its prompt shows
+    and how the answer's calls are read, or (None, None) for plain chat. A template without
+    a tool format answers `auto` and `none` as plain chat; `required` or a named tool is a
+    400 naming tool_choice, and a tool result or an assistant's tool_calls (`tool_turn`,
+    where the first is) one naming that message."""
+    if asked is None and tool_turn is None:
+        return None, None
+    fmt = tool_format(tokenizer, setting)
+    if asked is not None and asked.forced and not fmt.takes_tools:
+        raise RequestError("tool_choice", f"{asked.choice!r} needs a model that calls "
+                           "tools, and this model's chat template has no tool format; "
+                           "send \"auto\" or \"none\" (answered as plain chat)")
+    if tool_turn is not None and not fmt.takes_tools:
+        raise RequestError(tool_turn, "this model's chat template has no tool format, so it "
+                           "cannot read tool calls or results; send plain messages")
+    if asked is None or not fmt.takes_tools or asked.choice == "none":
+        return None, None
+    tools = asked.rendered()
+    return tools, ToolCallReader.of(parser_for(fmt.probe_call), tools)

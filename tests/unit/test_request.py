@@ -24,7 +24,7 @@ def test_json_body_as_bytes_without_content_type():
     ({"prompt": ""}, "prompt"),
     ({"prompt": 3}, "prompt"),
     ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
-    ({"prompt": "x", "max_new_tokens": 2**31}, "max_new_tokens"),
+    ({"prompt": "x", "max_new_tokens": -(2**31)}, "max_new_tokens"),  # 2**31: capped (item 11)
     ({"prompt": "x", "max_new_tokens": "5"}, "max_new_tokens"),
     ({"prompt": "x", "max_new_tokens": True}, "max_new_tokens"),
     ({"prompt": "x", "temperature": -0.1}, "temperature"),
