@@ -4,11 +4,17 @@ Which template: `handler.chat_template` when set (a preset name, inline Jinja, o
 file in the checkpoint directory, which is what gets packaged), else the
 tokenizer's own. Presets are data looked up by exact name (handlers/presets/). The
 rendered prompt is tokenized without a second BOS when the template already wrote one.
+
+Whose fault a failed render is: a template that refuses the messages on purpose
+(`raise_exception`, e.g. "roles must alternate") answers the client 400 on `messages`;
+any other failure (a Jinja syntax error, an undefined name, a filter raising) is the
+served template's, a 500 that names it, as the client can change nothing to get past it.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +24,8 @@ from handlers.errors import RequestError
 from handlers.presets.chat_templates import LLAMA2_CHAT as LLAMA2_CHAT  # re-exported
 from handlers.presets.chat_templates import LLAMA3_CHAT as LLAMA3_CHAT  # re-exported
 from handlers.presets.chat_templates import NO_TEMPLATE_FIX, PRESETS, is_inline
+
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=16)
@@ -60,17 +68,16 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], setting: str = "
                 tools: list[dict[str, Any]] | None = None,
                 template_kwargs: Mapping[str, Any] | None = None) -> str:
     """Apply the chat template (with `tools` when given, and any extra template variables);
-    a template's raise_exception becomes a 400 on `messages`."""
-    from jinja2.exceptions import TemplateError
-
+    a template's raise_exception becomes a 400 on `messages`, any other failure a 500
+    naming the template."""
     template = template_for(tokenizer, setting)
     extra = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(list(messages), chat_template=template,
                                              tokenize=False, add_generation_prompt=True,
                                              **(template_kwargs or {}), **extra)
-    except TemplateError as exc:
-        raise RequestError("messages", f"chat template rejected the messages: {exc}") from exc
+    except Exception as exc:
+        raise template_error(exc, setting) from exc
     if not isinstance(text, str):  # defensive: some versions return a list for one chat
         text = text[0]
     return text
@@ -82,6 +89,34 @@ def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], setting: str
     """A chat's prompt text and its token ids (render_chat, then encode_chat)."""
     text = render_chat(tokenizer, list(messages), setting, tools, template_kwargs)
     return text, encode_chat(tokenizer, text)
+
+
+def template_error(exc: Exception, setting: str) -> RequestError:
+    """A failed render as the client's fault or the server's. transformers' raise_exception
+    raises jinja2's base TemplateError itself (transformers@v4.36.2:src/transformers/
+    tokenization_utils_base.py:1774-1775, @v4.48.3 and 5.x: utils/chat_template_utils.py,
+    `raise_exception`); Jinja's own errors are subclasses of it (TemplateSyntaxError,
+    UndefinedError, ...), and anything else a template raises is not the client's either."""
+    from jinja2.exceptions import TemplateError
+
+    if type(exc) is TemplateError:
+        return RequestError("messages", f"chat template rejected the messages: {exc}")
+    message = (f"the model's chat template failed: {type(exc).__name__}: {exc} "
+               f"({template_name(setting)}); the server's template is at fault, not the "
+               "request")
+    logger.error("%s", message)
+    return RequestError("", message, status=500)
+
+
+def template_name(setting: str) -> str:
+    """Which template a message names: the configured one, or the tokenizer's own."""
+    if not setting:
+        return "the tokenizer's chat_template, from tokenizer_config.json"
+    if setting in PRESETS:
+        return f"handler.chat_template preset {setting!r}"
+    if is_inline(setting):
+        return "handler.chat_template, inline Jinja"
+    return f"handler.chat_template file {setting!r}"
 
 
 #: the tool the template probe renders; no real tool is called this
@@ -107,8 +142,11 @@ def tool_format(tokenizer: Any, setting: str = "") -> ToolFormat:
         template = template_for(tokenizer, setting)
     except RequestError:
         return ToolFormat()
-    if not _takes_tools(tokenizer, template):
-        return ToolFormat()
+    try:
+        if not _takes_tools(tokenizer, template):
+            return ToolFormat()
+    except Exception as exc:  # a template that does not compile: the server's fault
+        raise template_error(exc, setting) from exc
     return ToolFormat(True, _rendered_probe_call(tokenizer, template))
 
 
@@ -121,12 +159,14 @@ def takes_tools(tokenizer: Any, setting: str = "") -> bool:
 @functools.lru_cache(maxsize=16)
 def _takes_tools(tokenizer: Any, template: str) -> bool:
     """Once per tokenizer and template: a render is ~1 ms, too much for every request."""
-    from jinja2.exceptions import TemplateError
+    from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
                                              chat_template=template, tokenize=False,
                                              add_generation_prompt=True, tools=PROBE_TOOLS)
+    except TemplateSyntaxError:
+        raise  # no render works: takes_tools says so as render_chat would
     except (TemplateError, TypeError, ValueError):
         return False
     return PROBE_NAME in (text if isinstance(text, str) else str(text))
