@@ -1,7 +1,6 @@
 """Per-request parse cost of each API's body, and the same bodies through pydantic v2.
 
-Three figures per body, each the fastest of rounds of many calls, in µs of this process's
-CPU time per request:
+Three figures per body, in µs per request, each the fastest of many short rounds:
 - prepare: `Api.prepare` as the handler calls it, with a tokenizer stub whose render and
   encode cost nothing, so what is left is reading and validating the body, checking it
   against the served model and setting up the framer (the whole per-request host work
@@ -17,12 +16,20 @@ The bodies are what clients send: the bench load generator's native NDJSON reque
 GuideLLM's completions request, an Open WebUI chat turn, and a tool-calling chat with
 two tools. Run: `.venv/bin/python bench/request_parse.py` (`--only prepare` runs the part
 that any version of handlers/api has, for a before/after pair).
+
+`--instructions` counts instructions per request instead, under valgrind's callgrind (a
+profile dumped at each marker call, so only the measured calls count): a figure that the
+other work of a shared machine does not move, where a time does, by 2x on a busy 2-core VM.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,57 +110,73 @@ def stub_service() -> SimpleNamespace:
 
 
 def per_call_us(fn: Callable[[], Any], calls: int, rounds: int) -> float:
-    """CPU time of this process per call (a shared machine's other work is not ours),
-    the fastest of the rounds (timeit's rule: slower rounds measure interference)."""
+    """Time per call, the fastest of many short rounds (timeit's rule): a round shorter
+    than a scheduler slice that ran unpreempted measures the code, a slower one the other
+    work of a shared machine."""
     fn()  # warm: caches, the template probe
-    samples = []
+    best = float("inf")
     for _ in range(rounds):
-        start = time.process_time()
+        start = time.perf_counter()
         for _ in range(calls):
             fn()
-        samples.append((time.process_time() - start) / calls * 1e6)
-    return min(samples)
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e6
 
 
-def prepare_costs(calls: int, rounds: int) -> dict[str, float]:
+COLUMNS = ("prepare", "parse", "pydantic", "+ convert")
+
+
+def measured(only: str | None) -> dict[tuple[str, str], Callable[[], Any]]:
+    """(body, column) -> the call to measure."""
     service = stub_service()
-    out = {}
+    config = service.config.handler
+    out: dict[tuple[str, str], Callable[[], Any]] = {}
     for name, (path, body) in BODIES.items():
         api = select_api(path)
-        out[name] = per_call_us(lambda a=api, b=body: a.prepare(b, "application/json", service),
-                                calls, rounds)
-    return out
-
-
-def parse_costs(calls: int, rounds: int) -> dict[str, float]:
+        out[name, "prepare"] = lambda a=api, b=body: a.prepare(b, "application/json", service)
+    if only:
+        return out
+    from handlers.api.body import check_text
     from handlers.api.openai_request import parse_chat, parse_completion
     from handlers.api.request import parse_native
 
-    config = stub_service().config.handler
     parsers = {"": parse_native, "v1/completions": parse_completion,
                "v1/chat/completions": parse_chat}
-    return {name: per_call_us(lambda p=parsers[path], b=body: p(b, "application/json", config),
-                              calls, rounds)
-            for name, (path, body) in BODIES.items()}
-
-
-def pydantic_costs(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
-    from handlers.api.body import check_text
-
     models, convert = pydantic_models()
-    config = stub_service().config.handler
-    out = {}
     for name, (path, body) in BODIES.items():
         model = models[path]
-
-        def validate(m=model, b=body):
-            return m.model_validate(check_text(b))
-
-        def both(m=model, b=body):
-            return convert(m.model_validate(check_text(b)), config)
-
-        out[name] = (per_call_us(validate, calls, rounds), per_call_us(both, calls, rounds))
+        out[name, "parse"] = lambda p=parsers[path], b=body: p(b, "application/json", config)
+        out[name, "pydantic"] = lambda m=model, b=body: m.model_validate(check_text(b))
+        out[name, "+ convert"] = lambda m=model, b=body: convert(
+            m.model_validate(check_text(b)), config)
     return out
+
+
+def marked(calls: int, only: str | None) -> None:
+    """Under callgrind (--dump-before=getppid): each measurement's calls between two
+    markers, after a warm-up outside them."""
+    for fn in measured(only).values():
+        fn()
+        os.getppid()
+        for _ in range(calls):
+            fn()
+        os.getppid()
+
+
+def instructions(calls: int, only: str | None) -> dict[tuple[str, str], float]:
+    """Instructions per call of each measurement: the dump between its two markers."""
+    labels = list(measured(only))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        cmd = ["valgrind", "--tool=callgrind", "--dump-before=getppid",
+               f"--callgrind-out-file={out}", sys.executable, __file__, "--marked",
+               "--calls", str(calls), *(["--only", only] if only else [])]
+        subprocess.run(cmd, check=True, capture_output=True)
+        dumps = sorted(Path(tmp).glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]))
+        totals = [int(re.search(r"^totals: (\d+)", d.read_text(), re.M).group(1))
+                  for d in dumps]
+    # dump 1 is everything before the first marker; then (calls, warm-up) pairs
+    return {label: totals[1 + 2 * i] / calls for i, label in enumerate(labels)}
 
 
 def pydantic_models() -> tuple[dict[str, Any], Callable[[Any, Any], Any]]:
@@ -304,21 +327,27 @@ def pydantic_models() -> tuple[dict[str, Any], Callable[[Any, Any], Any]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=2000, help="calls per round")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=20, help="calls per round (per measurement "
+                    "with --instructions)")
+    ap.add_argument("--rounds", type=int, default=500)
     ap.add_argument("--only", choices=("prepare",), help="only Api.prepare (any version)")
+    ap.add_argument("--instructions", action="store_true", help="count instructions per "
+                    "request under valgrind's callgrind instead of timing")
+    ap.add_argument("--marked", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    prepare = prepare_costs(args.calls, args.rounds)
-    if args.only:
-        for name, us in prepare.items():
-            print(f"{name:32s} prepare {us:7.1f} us")
+    if args.marked:
+        marked(args.calls, args.only)
         return 0
-    parse = parse_costs(args.calls, args.rounds)
-    typed = pydantic_costs(args.calls, args.rounds)
-    print(f"{'body':32s} {'prepare':>9s} {'parse':>9s} {'pydantic':>9s} {'+ convert':>10s}  (us)")
+    if args.instructions:
+        figures, unit, fmt = instructions(args.calls, args.only), "instructions", "{:10,.0f}"
+    else:
+        figures = {k: per_call_us(fn, args.calls, args.rounds)
+                   for k, fn in measured(args.only).items()}
+        unit, fmt = "us", "{:10.1f}"
+    columns = [c for c in COLUMNS if any(k[1] == c for k in figures)]
+    print(f"{'body':32s}" + "".join(f"{c:>10s}" for c in columns) + f"  ({unit} per request)")
     for name in BODIES:
-        print(f"{name:32s} {prepare[name]:9.1f} {parse[name]:9.1f} {typed[name][0]:9.1f} "
-              f"{typed[name][1]:10.1f}")
+        print(f"{name:32s}" + "".join(fmt.format(figures[name, c]) for c in columns))
     return 0
 
 

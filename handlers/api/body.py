@@ -99,7 +99,27 @@ def _json_object(obj: Any, string_is_prompt: bool = False) -> dict[str, Any]:
 def check_text(body: dict[str, Any]) -> dict[str, Any]:
     """Refuse lone UTF-16 surrogates ("\\ud800" in JSON decodes to one): no tokenizer takes
     them and no answer echoing them can be encoded as UTF-8. Names the first field holding
-    one (e.g. messages[0].content). Iterative: a body may nest ~1000 levels deep."""
+    one (e.g. messages[0].content). Iterative: a body may nest ~1000 levels deep. Every
+    request pays for the walk, so it builds no field paths and skips ASCII text (an O(1)
+    flag in CPython); only a body that holds a surrogate is walked again to name where."""
+    stack: list[Any] = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _SURROGATE.search(value):
+                _name_surrogate(body)
+        elif isinstance(value, dict):
+            for key in value:
+                if not key.isascii() and _SURROGATE.search(key):
+                    _name_surrogate(body)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return body
+
+
+def _name_surrogate(body: dict[str, Any]) -> None:
+    """Raise the 400 naming the first field that holds a lone surrogate."""
     stack: list[tuple[str, Any]] = [("", body)]
     while stack:
         path, value = stack.pop()
@@ -114,7 +134,6 @@ def check_text(body: dict[str, Any]) -> dict[str, Any]:
                 stack.append((f"{path}.{key}" if path else key, item))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
-    return body
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

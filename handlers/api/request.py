@@ -203,16 +203,20 @@ def read_params(body: dict[str, Any], config: HandlerConfig, names: FieldNames =
     seed = body.get("seed", d.seed)
     if seed is not None:
         seed = _int(body, "seed", seed, 0, MAX_SEED)
-    sampling = SamplingParams(
+    sampling = SamplingParams(  # the configured defaults are checked as a request's would be
         temperature=bounded_float(body, "temperature", d.temperature, 0.0, MAX_TEMPERATURE),
         top_k=_int(body, "top_k", d.top_k, 0, MAX_TOP_K),
         top_p=bounded_float(body, "top_p", d.top_p, 0.0, 1.0, lo_open=True),
         seed=seed,
         min_new_tokens=min_new,
-        ignore_eos=_bool(body, "ignore_eos", False),
-        repetition_penalty=bounded_float(body, "repetition_penalty", 1.0, 0, 10, lo_open=True),
-        frequency_penalty=bounded_float(body, "frequency_penalty", 0.0, -2, 2),
-        presence_penalty=bounded_float(body, "presence_penalty", 0.0, -2, 2),
+        # OpenAI's (vLLM's) fields, absent from native bodies: read only when sent
+        ignore_eos=_bool(body, "ignore_eos", False) if "ignore_eos" in body else False,
+        repetition_penalty=(bounded_float(body, "repetition_penalty", 1, 0, 10, lo_open=True)
+                            if "repetition_penalty" in body else 1.0),
+        frequency_penalty=(bounded_float(body, "frequency_penalty", 0, -2, 2)
+                           if "frequency_penalty" in body else 0.0),
+        presence_penalty=(bounded_float(body, "presence_penalty", 0, -2, 2)
+                          if "presence_penalty" in body else 0.0),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )  # what the backend can honour is checked by the API (backends/capabilities.py)
     return GenerationParams(max_new, min_new, sampling, _stop(body, d.stop),
