@@ -16,10 +16,11 @@ honours vLLM's and TGI's extensions that clients send (GuideLLM: `ignore_eos`,
 and `timeout` (a server-side deadline). docs/design.md says why frozen dataclasses and not
 pydantic, with the cost of each per request.
 
-Where the next fields land: `response_format` json_object / json_schema is a
-`ResponseFormat` of another `type` (with its schema and `strict`), read by `_response_format`
-and handed to the engine as a constraint; `chat_template_kwargs` (e.g. `enable_thinking`)
-fills `ChatRequest.template_kwargs`, which the template render already passes on.
+Where the next fields land: `response_format` json_object / json_schema (with `strict`)
+is the GrammarSpec handlers/structured/spec.py parses, in `ChatRequest.response_format`
+(`_response_format` will call it), carried to the engine with the request; `chat_template_kwargs`
+(e.g. `enable_thinking`) fills `ChatRequest.template_kwargs`, which the template render
+already passes on.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from handlers.api.request import ASSEMBLED, FieldNames, GenerationParams, read_p
 from handlers.api.tool_calls import ToolRequest
 from handlers.config import HandlerConfig
 from handlers.errors import RequestError
+from handlers.structured.spec import GrammarSpec
 
 
 def _number(expected: int) -> Callable[[Any], bool]:
@@ -89,18 +91,6 @@ NO_STREAM_OPTIONS = StreamOptions()
 
 
 @dataclass(frozen=True)
-class ResponseFormat:
-    """`response_format`. Only `text` is served today; structured outputs add `json_object`
-    and `json_schema` here (with the schema, its name and `strict`), and the prepared
-    request carries the constraint they compile to."""
-
-    type: str = "text"
-
-
-TEXT = ResponseFormat()
-
-
-@dataclass(frozen=True)
 class OpenAIRequest:
     """What completions and chat share."""
 
@@ -125,7 +115,9 @@ class ChatRequest(OpenAIRequest):
     #: the first message that needs a template with a tool format (a tool result, an
     #: assistant's tool_calls), as an error names it; None when none does
     tool_turn: str | None = None
-    response_format: ResponseFormat = TEXT
+    #: `response_format` as the constraint it asks for (handlers/structured/spec.py): None
+    #: for text, the only one served until the grammar layer is wired to the engine
+    response_format: GrammarSpec | None = None
     #: extra variables for the chat template (`chat_template_kwargs`; none accepted yet)
     template_kwargs: Mapping[str, Any] | None = None
 
@@ -275,10 +267,12 @@ def parse_chat(payload: Any, content_type: str, config: HandlerConfig) -> ChatRe
                        response_format=_response_format(body))
 
 
-def _response_format(body: dict[str, Any]) -> ResponseFormat:
+def _response_format(body: dict[str, Any]) -> GrammarSpec | None:
+    """Text only, until the grammar layer is wired in: then `spec.response_format(value)`,
+    whose GrammarSpec (or its 400 naming the field) is what this returns."""
     value = body.get("response_format")
     if value is None or value == {"type": "text"}:
-        return TEXT
+        return None
     raise RequestError("response_format", f"{brief(value)} is not supported; this server "
                        "accepts only {\"type\": \"text\"}")
 

@@ -8,7 +8,6 @@ import pytest
 from handlers.api.native import NativeApi
 from handlers.api.openai import ChatCompletionsApi, CompletionsApi
 from handlers.api.openai_request import (
-    TEXT,
     ChatRequest,
     CompletionRequest,
     StreamOptions,
@@ -51,7 +50,7 @@ def test_a_chat_body_becomes_one_typed_request_with_everything_read(service) -> 
     assert r.messages == ({"role": "system", "content": "be brief"},
                           {"role": "user", "content": "hi there"})
     assert r.tools.choice == "auto" and r.tools.tools[0]["function"]["name"] == "get_weather"
-    assert r.response_format == TEXT and r.tool_turn is None and r.template_kwargs is None
+    assert r.response_format is None and r.tool_turn is None and r.template_kwargs is None
     # errors name the budget as it was sent
     assert p.names.budget == "max_completion_tokens" and p.names.prompt == "messages"
 
