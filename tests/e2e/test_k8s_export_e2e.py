@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,8 +90,10 @@ def test_exported_container_serves_and_streams(tiny_checkpoint: Path, serving_py
     mount.mkdir()
     (mount / "config.properties").write_text(props)
     (mount / "probe.py").write_text(files["probe.py"])
-    work = tmp_path / "container-tmp"
-    work.mkdir()
+    # the pod's /tmp (TEMP: TorchServe's worker sockets) must stay short as in the pod, so
+    # not under pytest's nested $TMPDIR, which a long TMPDIR pushes past the 107-byte limit
+    work = Path(tempfile.mkdtemp(prefix="pod-tmp-", dir="/tmp" if os.access("/tmp", os.W_OK)
+                                 else None))
     shared = tmp_path / "metrics-volume"  # the emptyDir both containers mount
     shared.mkdir()
 
@@ -156,4 +159,5 @@ def test_exported_container_serves_and_streams(tiny_checkpoint: Path, serving_py
         _stop(proc)
         router_proc.terminate()
         router_proc.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
     _wait_gone(f"{url}/ping", 60)
