@@ -1,4 +1,4 @@
-"""A Llama checkpoint whose greedy answers are scripted: a real model for a real server.
+"""Llama checkpoints whose greedy answers are scripted: real models for a real server.
 
 Tool calling can only be tested end to end with a model that answers with a tool call. A
 random tiny model never does, and no checkpoint may be downloaded, so this one is built
@@ -82,6 +82,54 @@ def build_scripted_checkpoint(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TOOL_TEMPLATE  # inline: what transformers < 4.47 reads
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
+#: characters a JSON answer's structure is made of: the JSON model prefers tokens holding them
+JSON_PUNCTUATION = set('"{}[],:0123456789')
+
+
+def build_json_checkpoint(out: Path) -> Path:
+    """A Llama checkpoint with a byte-level vocabulary (the tiny demo model's BPE, so JSON
+    decodes byte for byte) whose logits are the same at every position: EOS highest, then
+    short tokens holding JSON punctuation, then the rest, each with a small fixed jitter
+    that breaks ties. Under a grammar its greedy answer is the shortest-leaning valid
+    answer -- EOS as soon as the grammar allows it, strings closed and containers ended
+    where they may be -- so structured-output answers end with `stop` and can be checked;
+    without one it answers EOS at once. Its template is TOOL_TEMPLATE (Llama 3.1's JSON tool
+    calls), so forced tool calls use that format. Every layer's output projections are
+    zero and every embedding the same vector, so the residual stream is that vector at the
+    final norm, whatever the input."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from archive_tools.demo_model import build_demo_model
+
+    build_demo_model(out, "tiny", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    model.config.tie_word_embeddings = False
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    pieces = [tokenizer.decode([i]) for i in range(vocab)]
+    bias = torch.tensor([(5.0 if 0 < len(p) <= 3 and JSON_PUNCTUATION & set(p) else 0.0)
+                         + ((i * 2654435761) % 1000) / 2000.0 for i, p in enumerate(pieces)])
+    bias[eos] = 20.0
+    with torch.no_grad():
+        for layer in model.model.layers:  # the residual stream passes through untouched
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.fill_(1.0)
+        model.model.norm.weight.fill_(1.0)  # RMSNorm(ones) = ones: logit i = bias[i]
+        model.lm_head.weight = torch.nn.Parameter(bias[:, None].repeat(1, hidden) / hidden)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(out, save_jinja_files=False)
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     cfg["chat_template"] = TOOL_TEMPLATE  # inline: what transformers < 4.47 reads
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))

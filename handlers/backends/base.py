@@ -18,7 +18,12 @@ its end (EOS, a length limit): the engine keeps them up to the first that ends i
 
 Token ids cross this boundary as plain ints so the scheduler stays free of torch.
 Sampling (greedy, temperature, top-k, top-p, per-request seed, min_new_tokens)
-happens inside the backend, next to the logits.
+happens inside the backend, next to the logits, and so does a grammar's mask
+(structured outputs): a backend that samples on the host has `grammars` (a
+handlers/structured SlotGrammars over its logits' width), `prefill` and `step` take
+each newcomer's compiled grammar (None: a free row) and hand it to that, and the
+backend fills and applies the masks around its device calls. A backend without it
+refuses such requests (Capabilities.unsupported["grammar"]).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from types import MappingProxyType
 from typing import Any
 
 from handlers.errors import GenerationError
+from handlers.structured.spec import GrammarSpec
 
 GREEDY_BELOW = 1e-5
 
@@ -53,6 +59,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logprobs: int | None = None  # None: none; k: each generated token's + the top k
     prompt_logprobs: int | None = None  # the same for every prompt token (OpenAI `echo`)
+    #: structured outputs: the shape the answer must take (a JSON schema, any JSON object,
+    #: forced tool calls), compiled by the engine before the request is admitted
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -67,7 +76,7 @@ class SamplingParams:
 
 #: the request features a backend may lack, by their SamplingParams name
 FEATURES = ("seed", "min_new_tokens", "ignore_eos", "repetition_penalty", "frequency_penalty",
-            "presence_penalty", "logprobs", "prompt_logprobs")
+            "presence_penalty", "logprobs", "prompt_logprobs", "grammar")
 
 
 @dataclass(frozen=True)
@@ -129,13 +138,24 @@ class Backend(ABC):
     max_tokens_per_step: int = 1
     #: what requests it honours (default: host sampling from full logits, everything)
     capabilities: Capabilities = Capabilities()
+    #: the grammars of its constrained slots and their masks (handlers.structured.masks.
+    #: SlotGrammars over the logits' width): set by a backend that samples on the host
+    grammars: Any = None
 
     # -- the contract, enforced here once; backends implement the underscored methods ---
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-                params: Sequence[SamplingParams]) -> list[int]:
-        """Start a sequence in each (free) slot; return each one's first generated token."""
+                params: Sequence[SamplingParams], grammars: Sequence[Any] | None = None
+                ) -> list[int]:
+        """Start a sequence in each (free) slot; return each one's first generated token.
+        `grammars`: each newcomer's RowGrammar (handlers.structured.masks), None for a free
+        one; the first token already keeps to it."""
         self._check_new(slots, prompts, params)
-        tokens = self._prefill(list(slots), list(prompts), list(params))
+        self._assign(slots, grammars)
+        try:
+            tokens = self._prefill(list(slots), list(prompts), list(params))
+        except BaseException:
+            self._unassign(slots)
+            raise
         self._busy().update(slots)  # only once it ran: a failed prefill took no slot
         return tokens
 
@@ -151,19 +171,40 @@ class Backend(ABC):
             self._release(list(slots))
         finally:
             self._busy().difference_update(slots)
+            self._unassign(slots)
 
     def step(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
-             params: Sequence[SamplingParams], running: Sequence[int]
-             ) -> tuple[list[int], Rows]:
+             params: Sequence[SamplingParams], running: Sequence[int],
+             grammars: Sequence[Any] | None = None) -> tuple[list[int], Rows]:
         """`prefill(slots, ...)` and `decode(running)` as one call, for backends where that
         is cheaper (`mixes_prefill`). On failure the running batch must be as it was."""
         if not self.mixes_prefill:
             raise NotImplementedError(f"{type(self).__name__} does not mix prefill into decode")
         self._check_new(slots, prompts, params)
         self._check_running(running)
-        first, following = self._step(list(slots), list(prompts), list(params), list(running))
+        self._assign(slots, grammars)
+        try:
+            first, following = self._step(list(slots), list(prompts), list(params),
+                                          list(running))
+        except BaseException:
+            self._unassign(slots)
+            raise
         self._busy().update(slots)
         return first, following
+
+    def _assign(self, slots: Sequence[int], grammars: Sequence[Any] | None) -> None:
+        if grammars is None or all(g is None for g in grammars):
+            return
+        if len(grammars) != len(slots):
+            raise SlotError(f"{len(grammars)} grammars for {len(slots)} slots")
+        if self.grammars is None:
+            raise SlotError(f"{type(self).__name__} applies no grammar; its capabilities "
+                            "refuse such requests")
+        self.grammars.assign(slots, grammars)
+
+    def _unassign(self, slots: Sequence[int]) -> None:
+        if self.grammars is not None:
+            self.grammars.drop(slots)
 
     @abstractmethod
     def _prefill(self, slots: list[int], prompts: list[Sequence[int]],
@@ -224,6 +265,10 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release devices and locks."""
+
+    def grammar_vocab(self) -> int | None:
+        """The width of the logits a grammar's masks cover (None: no grammar here)."""
+        return None if self.grammars is None else self.grammars.vocab_size
 
 
 def read_eos_ids(checkpoint: Path, model_config: dict[str, Any]) -> frozenset[int]:

@@ -32,6 +32,7 @@ def asked(p: SamplingParams) -> list[str]:
         "presence_penalty": p.presence_penalty != 0.0,
         "logprobs": p.logprobs is not None,
         "prompt_logprobs": p.prompt_logprobs is not None,
+        "grammar": p.grammar is not None,
     }
     return [f for f, on in used.items() if on]
 
@@ -80,6 +81,20 @@ def check_defaults(config: HandlerConfig, caps: Capabilities) -> None:
 ON_DEVICE_WHY = ("handler.neuron.on_device_sampling samples on the device, which takes only "
                  "top_k, top_p and temperature per request and returns token ids; turn it off "
                  "to sample on the host")
+#: why a grammar (structured outputs) cannot apply there: neither SDK's on-device sampler
+#: takes a mask or a bias -- NxD Inference's Sampler.forward takes the logits and per-row
+#: (top_k, top_p, temperature) only (aws-neuron/neuronx-distributed-inference@v0.7.14366:
+#: src/neuronx_distributed_inference/modules/generation/sampling.py:392-420), as does
+#: transformers-neuronx's GenerationConfig (aws-neuron/transformers-neuronx@1ade6d74:
+#: src/transformers_neuronx/config.py:106-120)
+GRAMMAR_ON_DEVICE_WHY = ("handler.neuron.on_device_sampling samples on the device, and "
+                         "neither Neuron SDK's on-device sampler takes a token mask or bias "
+                         "(only top_k, top_p and temperature per request), so no grammar can "
+                         "constrain it; turn on_device_sampling off to sample on the host")
+#: why speculation refuses a grammar: the drafts are accepted on the device, unchecked
+GRAMMAR_SPECULATION_WHY = ("handler.neuron.speculation accepts draft tokens on the device, "
+                           "where no grammar checks them; serve structured outputs from a "
+                           "model without speculation")
 #: a greedy request on such a sampler: the best token only
 GREEDY_ROW = (1, 1.0, 1.0)
 
@@ -91,9 +106,18 @@ def on_device_capabilities(global_top_k: int,
     unsupported = {f: ON_DEVICE_WHY for f in ("seed", "min_new_tokens", "repetition_penalty",
                                               "frequency_penalty", "presence_penalty",
                                               "logprobs", "prompt_logprobs")}
+    unsupported["grammar"] = GRAMMAR_ON_DEVICE_WHY
     return Capabilities({**unsupported, **(reasons or {})}, max_top_k=global_top_k,
                         max_top_k_setting="handler.neuron.global_top_k, the most the on-device "
                         "sampler considers")
+
+
+def refusing(caps: Capabilities, feature: str, why: str) -> Capabilities:
+    """`caps` with `feature` refused too (an earlier reason for it stays)."""
+    if feature in caps.unsupported:
+        return caps
+    return Capabilities({**caps.unsupported, feature: why}, caps.max_top_k,
+                        caps.max_top_k_setting, caps.shared_sampling)
 
 
 def device_sampling_row(p: SamplingParams, caps: Capabilities,

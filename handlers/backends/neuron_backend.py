@@ -42,15 +42,18 @@ from handlers.backends.base import (
     read_eos_ids,
 )
 from handlers.backends.capabilities import (
+    GRAMMAR_SPECULATION_WHY,
     GREEDY_ROW,
     device_sampling_row,
     on_device_capabilities,
+    refusing,
     sampling_group,
 )
 from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
+from handlers.structured.masks import SlotGrammars
 from neuron_cache.compile import compile_or_load
 from neuron_cache.key import context_buckets, key_inputs, neuron_config_spec, read_model_config
 from neuron_cache.store import CacheStore
@@ -109,8 +112,12 @@ def capabilities(config: HandlerConfig) -> Capabilities:
     if config.batching != "continuous":
         return _MicroRunner.CAPABILITIES
     if config.neuron.on_device_sampling:
-        return on_device_capabilities(config.neuron.global_top_k)
-    return _ContinuousRunner.CAPABILITIES
+        caps = on_device_capabilities(config.neuron.global_top_k)
+    else:
+        caps = _ContinuousRunner.CAPABILITIES
+    if config.neuron.speculation.enabled:
+        caps = refusing(caps, "grammar", GRAMMAR_SPECULATION_WHY)
+    return caps
 
 
 def generation_config(flags: dict[str, Any], rows: Sequence[tuple[int, float, float]]) -> Any:
@@ -233,6 +240,9 @@ class NeuronBackend(Backend):
         else:
             self._runner = runner_cls(self.model, config, context_buckets(config), eos)
         self.capabilities = capabilities(config)
+        if "grammar" not in self.capabilities.unsupported:  # continuous, host sampling
+            vocab = int(model_config.get("vocab_size") or 0)
+            self.grammars = self._runner.grammars = SlotGrammars(self.batch_size, vocab)
 
     def _prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                  params: Sequence[SamplingParams]) -> list[int]:
@@ -333,6 +343,7 @@ class _ContinuousRunner:
         self.on_device = config.neuron.on_device_sampling
         self.global_top_k = config.neuron.global_top_k
         self.caps = capabilities(config)
+        self.grammars: Any = None  # the backend's SlotGrammars, with host sampling
         # as build_neuron_config compiled them: every line greedy
         self.slot_params = [GREEDY_ROW] * config.batch_size
         self._flags = neuron_config_spec(config).get("on_device_generation")
@@ -349,7 +360,7 @@ class _ContinuousRunner:
                 eos_ids: frozenset[int]) -> list[int]:
         import torch
 
-        from handlers.backends.sampling import RowSampler
+        from handlers.backends.sampling import RowSampler, sample_rows
 
         out = []
         for slot, prompt, p in zip(slots, prompts, params, strict=True):
@@ -363,12 +374,19 @@ class _ContinuousRunner:
                 self._set_slot_params(slot, p)
             else:
                 sampler = RowSampler(p, eos_ids, torch.device("cpu"), prompt)
+            constrained = self.grammars is not None and slot in self.grammars
+            if constrained:
+                self.grammars.start([slot])  # filled while the context encodes
             with torch.inference_mode():  # logits are inference tensors: sample inside
                 logits = self._context(torch.tensor([tokens], dtype=torch.int64),  # [1, L]
                                        torch.tensor([positions], dtype=torch.int64),
                                        torch.tensor([slot], dtype=torch.int64))
                 # logits: [1, vocab]; or the device's token ids, [1, 1]
-                token = int(logits[0, 0]) if sampler is None else sampler(logits[0])
+                if constrained:
+                    token = sample_rows(logits, [sampler], masks=self.grammars.masks())[0]
+                    self.grammars.took([slot], [token])
+                else:
+                    token = int(logits[0, 0]) if sampler is None else sampler(logits[0])
             self.rows[slot] = _Row(len(prompt), token, sampler)
             out.append(token)
         return out
@@ -388,10 +406,17 @@ class _ContinuousRunner:
         rows = [self.rows[s] for s in slots]  # the base class checked: every running slot
         ids = torch.tensor([[r.last] for r in rows], dtype=torch.int64)  # [n, 1]
         cache_ids = torch.tensor([[r.length] for r in rows], dtype=torch.int64)  # [n, 1]
+        constrained = self.grammars is not None and self.grammars.any(slots)
+        if constrained:  # the masks fill on their thread while the device runs the step
+            self.grammars.start(slots)
         with torch.inference_mode():
             logits = self.model.forward(ids, cache_ids, torch.tensor(slots, dtype=torch.int64))
             if self.on_device:  # token ids [n, 1] in slot order (base.py:L627-L639)
                 out = [int(t) for t in logits[:, 0]]
+            elif constrained:  # logits: [n, vocab] in slot order, masks for some rows
+                out = sample_rows(logits, [r.sampler for r in rows],
+                                  masks=self.grammars.masks())
+                self.grammars.took(slots, out)
             else:  # logits: [n, vocab] in slot order; every row in one batched pass
                 out = sample_rows(logits, [r.sampler for r in rows])
         for row, token in zip(rows, out, strict=True):
@@ -563,6 +588,9 @@ class _MicroRunner:
         "handler.batching micro samples inside transformers-neuronx's sample(), which ends "
         "rows at EOS and returns no logits; use handler.batching continuous",
         shared_sampling=True)
+    CAPABILITIES = refusing(CAPABILITIES, "grammar", "handler.batching micro samples inside "
+                            "transformers-neuronx's sample(), which takes no token mask; use "
+                            "handler.batching continuous with host sampling")
 
     @classmethod
     def check(cls, model_cls: type, buckets: list[int]) -> None:

@@ -54,8 +54,12 @@ from handlers.backends.base import (
     import_sdk_class,
     read_eos_ids,
 )
+from handlers.backends.capabilities import (
+    GRAMMAR_SPECULATION_WHY,
+    on_device_capabilities,
+    refusing,
+)
 from handlers.backends.capabilities import device_sampling_row as capabilities_row
-from handlers.backends.capabilities import on_device_capabilities
 from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.config import HandlerConfig
@@ -437,6 +441,8 @@ class NxdiBackend(Backend):
         self.max_prompt_length = min(ctx[-1], self.max_length - 1)
         self.on_device, self.global_topk = n.on_device_sampling, n.global_top_k
         self.capabilities = capabilities(n.on_device_sampling, n.global_top_k)
+        if self.speculation:
+            self.capabilities = refusing(self.capabilities, "grammar", GRAMMAR_SPECULATION_WHY)
         self._claim = backend_claim(n, cores)
         try:
             apply_neuron_env(neuron_env(config, self._claim.cores, model_dir))
@@ -468,6 +474,10 @@ class NxdiBackend(Backend):
             self._claim.release()
             raise
         self.rows: dict[int, _Row] = {}
+        if "grammar" not in self.capabilities.unsupported:  # host sampling, one token a step
+            from handlers.structured.masks import SlotGrammars
+
+            self.grammars = SlotGrammars(self.batch_size, int(model_config.get("vocab_size")))
 
     def _forward(self, ids: list[list[int]], positions: list[list[int]], seq_ids: list[int],
                  params: list[SamplingParams], samplers: list[Any]) -> Rows:
@@ -477,6 +487,9 @@ class NxdiBackend(Backend):
 
         rows = [device_sampling_row(p, self.capabilities, self.global_topk) if self.on_device
                 else [1.0, 1.0, 1.0] for p in params]
+        constrained = self.grammars is not None and self.grammars.any(seq_ids)
+        if constrained:  # the masks fill on their thread while the device runs
+            self.grammars.start(list(seq_ids))
         with torch.inference_mode():  # logits are inference tensors: sample inside
             out = self.model.forward(
                 input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -493,7 +506,11 @@ class NxdiBackend(Backend):
             from handlers.backends.sampling import sample_rows
 
             # [n, 1, vocab] -> [n, vocab]: every row in one batched pass (sampling.py)
-            return [[t] for t in sample_rows(out.logits[:, -1], samplers)]
+            if not constrained:
+                return [[t] for t in sample_rows(out.logits[:, -1], samplers)]
+            tokens = sample_rows(out.logits[:, -1], samplers, masks=self.grammars.masks())
+            self.grammars.took(list(seq_ids), tokens)
+            return [[t] for t in tokens]
 
     def _prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                  params: Sequence[SamplingParams]) -> list[int]:

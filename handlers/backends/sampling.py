@@ -47,7 +47,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from handlers.backends import masked_sampling
 from handlers.backends.base import SamplingParams, TokenLogprob
+from handlers.structured.masks import StepMasks
 
 #: how far below a row's best token (in nats of the tempered distribution, logit /
 #: temperature) the batched path looks. Every token below weighs at most e^-15 (3e-7) of
@@ -113,8 +115,9 @@ class RowSampler:
             return ROW
         return self._route
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] (float) for this row's last position."""
+    def __call__(self, logits: torch.Tensor, allowed: np.ndarray | None = None) -> int:
+        """logits: [vocab] (float) for this row's last position; `allowed`: [vocab] bool, the
+        only tokens it may take (a grammar's mask), applied after penalties."""
         scores = logits.float().unsqueeze(0)  # [1, vocab]; for float32 logits, a view
         logprobs = None
         if self._logprobs is not None:  # of the model's own distribution
@@ -127,6 +130,9 @@ class RowSampler:
             # out of place: `scores` may be the caller's logits (the synthetic device reuses
             # one buffer every step)
             scores = scores.index_fill(1, self._eos_index, float("-inf"))
+        if allowed is not None:  # out of place too
+            keep = torch.from_numpy(allowed).to(scores.device)
+            scores = scores.masked_fill(~keep[None], float("-inf"))
         self.generated += 1
         if self._greedy:
             token = int(scores.argmax(dim=-1))
@@ -179,21 +185,33 @@ def _default_rng() -> np.random.Generator:
 
 
 def sample_rows(logits: torch.Tensor, samplers: Sequence[RowSampler],
-                rng: np.random.Generator | None = None) -> list[int]:
+                rng: np.random.Generator | None = None,
+                masks: StepMasks | None = None) -> list[int]:
     """The next token of every row: logits [n, vocab] (any float dtype, any device), one
     RowSampler per row, in row order. Each sampler's generated count advances by one, as
     a call of it would; `rng` draws for the unseeded sampled rows (default: one from OS
-    entropy)."""
+    entropy). `masks`: the rows a grammar constrains and their bitmasks; each such row
+    takes its token as if its disallowed logits were -inf (handlers/backends/
+    masked_sampling.py), and every other row exactly as without them. A constrained row
+    that allows nothing (a broken grammar) gets the first EOS id, which ends it."""
     n = len(samplers)
     if logits.dim() != 2 or logits.shape[0] != n:
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {n} samplers; "
                          "expected [rows, vocab]")
+    vocab = logits.shape[1]
+    index = np.full(n, -1, dtype=np.int64)  # each row's bitmask row; -1: free
+    if masks is not None and len(masks):
+        index[masks.rows] = np.arange(len(masks))
+        limits = masked_sampling.RowLimits(masks.bitmask, index, vocab)
+        stuck = np.flatnonzero(limits.constrained & (limits.counts == 0))
+        if len(stuck):
+            return _with_stuck_rows(logits, samplers, rng, masks, stuck)
     tokens = [0] * n
     batched, greedy, sampled = [], [], []
     for i, s in enumerate(samplers):
         route = s.route()
         if route == ROW:
-            tokens[i] = s(logits[i])
+            tokens[i] = s(logits[i], None if index[i] < 0 else limits.row(i))
             continue
         (greedy if route == GREEDY else sampled).append(len(batched))
         batched.append(i)
@@ -202,15 +220,49 @@ def sample_rows(logits: torch.Tensor, samplers: Sequence[RowSampler],
     sub = logits if len(batched) == n else logits[batched]
     scan = _scan(sub)
     if greedy:
-        for j, token in zip(greedy, scan.argmax(greedy).tolist(), strict=True):
-            tokens[batched[j]] = token
+        free = [j for j in greedy if index[batched[j]] < 0]
+        if free:
+            for j, token in zip(free, scan.argmax(free).tolist(), strict=True):
+                tokens[batched[j]] = token
+        held = [j for j in greedy if index[batched[j]] >= 0]
+        if held:
+            chosen = masked_sampling.greedy(scan, held, limits.subset(
+                [batched[j] for j in held]))
+            for j, token in zip(held, chosen.tolist(), strict=True):
+                tokens[batched[j]] = token
+        for j in greedy:
             samplers[batched[j]].generated += 1
     if sampled:
         rows = [batched[j] for j in sampled]
+        held = (index[rows] >= 0).any()
         drawn = _sample(sub, scan, sampled, [samplers[i] for i in rows],
-                        rng if rng is not None else _default_rng())
+                        rng if rng is not None else _default_rng(),
+                        limits.subset(rows) if held else None)
         for i, token in zip(rows, drawn, strict=True):
             tokens[i] = token
+    return tokens
+
+
+def _with_stuck_rows(logits: torch.Tensor, samplers: Sequence[RowSampler],
+                     rng: np.random.Generator | None, masks: StepMasks,
+                     stuck: np.ndarray) -> list[int]:
+    """A step where some constrained rows allow nothing: the others as usual, those EOS."""
+    eos = [min(s._eos) if s._eos else 0 for s in samplers]
+    keep = np.ones(len(samplers), dtype=bool)
+    keep[stuck] = False
+    rest = np.flatnonzero(keep)
+    at = {int(r): k for k, r in enumerate(rest)}
+    held = [k for k, r in enumerate(masks.rows.tolist()) if r in at]
+    sub = StepMasks(np.asarray([at[int(masks.rows[k])] for k in held], dtype=np.int64),
+                    masks.bitmask[held])
+    tokens = [0] * len(samplers)
+    if len(rest):
+        got = sample_rows(logits[rest.tolist()], [samplers[i] for i in rest], rng, sub)
+        for i, token in zip(rest.tolist(), got, strict=True):
+            tokens[i] = token
+    for i in stuck.tolist():
+        tokens[i] = eos[i]
+        samplers[i].generated += 1
     return tokens
 
 
@@ -354,17 +406,26 @@ class _Candidates:
 
 
 def _candidates(scan: _NumpyScan | _TorchScan, rows: list[int], temperature: np.ndarray,
-                top_p: np.ndarray, vocab: int) -> _Candidates:
+                top_p: np.ndarray, vocab: int,
+                limits: masked_sampling.RowLimits | None = None) -> _Candidates:
     """Candidates of each row: CANDIDATE_NATS deep, or for top-p as deep as proves that the
-    rest cannot reach the cut (tail <= (1 - p) / p, a quarter of it)."""
+    rest cannot reach the cut (tail <= (1 - p) / p, a quarter of it). With `limits`, a
+    constrained row's candidates are its allowed tokens that deep below its best allowed
+    one (masked_sampling.candidates), and its tail bounds only the allowed rest."""
     m = len(rows)
     best = scan.max[rows].astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         need = np.log(vocab * top_p / np.maximum(1.0 - top_p, 1e-300)) + math.log(4)
     nats = np.where(top_p < 1.0, np.clip(need, CANDIDATE_NATS, 3 * CANDIDATE_NATS),
                     CANDIDATE_NATS)
-    tau = _thresholds(best, temperature, nats)
-    r, c, v = scan.candidates(rows, tau)
+    size = vocab
+    if limits is None:
+        tau = _thresholds(best, temperature, nats)
+        r, c, v = scan.candidates(rows, tau)
+    else:
+        r, c, v, best, tau = masked_sampling.candidates(scan, rows, best, temperature, nats,
+                                                        limits, _thresholds)
+        size = limits.counts
     with np.errstate(invalid="ignore", over="ignore"):
         s = v / temperature[r]
         sigma = tau / temperature
@@ -374,7 +435,7 @@ def _candidates(scan: _NumpyScan | _TorchScan, rows: list[int], temperature: np.
         weights = np.exp((s - top[r]).astype(np.float64))
         counts = np.bincount(r, minlength=m)
         exact = (counts > 0) & np.isfinite(best) & (sigma < top)
-        tail = (vocab - counts) * np.exp(sigma.astype(np.float64) - top) * (1 + 1e-6)
+        tail = (size - counts) * np.exp(sigma.astype(np.float64) - top) * (1 + 1e-6)
     start = np.concatenate([[0], np.cumsum(counts)])
     return _Candidates(start, c, s, weights, np.ones(len(c), dtype=bool), top,
                        np.where(exact, tail, 0.0), exact)
@@ -498,13 +559,15 @@ def _top_p(cand: _Candidates, top_p: np.ndarray, exact_tail: Callable[[int], flo
 
 
 def _plan(scan: _NumpyScan | _TorchScan, rows: list[int], temperature: np.ndarray,
-          top_k: np.ndarray, top_p: np.ndarray, vocab: int) -> _Candidates:
-    """Temperature, top-k and top-p of each row, over its candidates."""
-    cand = _candidates(scan, rows, temperature, top_p, vocab)
+          top_k: np.ndarray, top_p: np.ndarray, vocab: int,
+          limits: masked_sampling.RowLimits | None = None) -> _Candidates:
+    """Temperature, top-k and top-p of each row, over its candidates (and its mask)."""
+    cand = _candidates(scan, rows, temperature, top_p, vocab, limits)
     _top_k(cand, top_k)
 
     def exact_tail(i: int) -> float:
-        weights = _row_weights(scan.row(rows[i]), temperature[i], cand.top[i], top_k[i])
+        weights = _row_weights(scan.row(rows[i]), temperature[i], cand.top[i], top_k[i],
+                               None if limits is None else limits.row(i))
         inside = weights[cand.cols[cand.start[i]:cand.start[i + 1]]]
         # the same float32 values leave again: exact up to float64 summation
         return float(weights.sum(dtype=np.float64) - inside.sum(dtype=np.float64))
@@ -513,11 +576,13 @@ def _plan(scan: _NumpyScan | _TorchScan, rows: list[int], temperature: np.ndarra
     return cand
 
 
-def _row_weights(logits: np.ndarray, temperature: float, top: float, top_k: int
-                 ) -> np.ndarray:
+def _row_weights(logits: np.ndarray, temperature: float, top: float, top_k: int,
+                 allowed: np.ndarray | None = None) -> np.ndarray:
     """One row over the whole vocabulary: each token's weight e^(s - top) (float32), 0 where
-    top-k drops it (below the k-th largest score, ties kept)."""
+    top-k drops it (below the k-th largest score, ties kept) or `allowed` is False."""
     scores = logits / np.float32(temperature)
+    if allowed is not None:
+        scores[~allowed] = -np.inf
     low = None
     if 0 < top_k < len(scores):
         low = scores < np.partition(scores, len(scores) - top_k)[len(scores) - top_k]
@@ -529,7 +594,8 @@ def _row_weights(logits: np.ndarray, temperature: float, top: float, top_k: int
 
 
 def _sample(logits: torch.Tensor, scan: _NumpyScan | _TorchScan, rows: list[int],
-            samplers: list[RowSampler], rng: np.random.Generator) -> list[int]:
+            samplers: list[RowSampler], rng: np.random.Generator,
+            limits: masked_sampling.RowLimits | None = None) -> list[int]:
     """Tokens of the unseeded sampled rows `rows` (positions in `logits`), one draw each:
     every row's allowed candidates and its tail's bound are laid end to end, and one
     uniform per row picks a place along its own stretch."""
@@ -537,7 +603,7 @@ def _sample(logits: torch.Tensor, scan: _NumpyScan | _TorchScan, rows: list[int]
     temperature = np.array([p.temperature for p in ps], dtype=np.float32)
     top_k = np.array([p.top_k for p in ps], dtype=np.int64)
     cand = _plan(scan, rows, temperature, top_k,
-                 np.array([p.top_p for p in ps], dtype=np.float64), logits.shape[1])
+                 np.array([p.top_p for p in ps], dtype=np.float64), logits.shape[1], limits)
     cum = np.concatenate([[0.0], np.cumsum(np.where(cand.keep, cand.weights, 0.0))])
     base = cum[cand.start[:-1]]
     mass = cum[cand.start[1:]] - base
@@ -551,10 +617,12 @@ def _sample(logits: torch.Tensor, scan: _NumpyScan | _TorchScan, rows: list[int]
         tokens = cand.cols[np.minimum(at, last)].tolist()
     exact = cand.exact.tolist()
     for j in np.flatnonzero(~cand.exact | (u >= mass)).tolist():
+        ok = None if limits is None else limits.row(j)
         if exact[j]:  # the tail's slot: `_tail_event`
-            tokens[j] = _tail_event(scan.row(rows[j]), cand, j, temperature[j], top_k[j], rng)
-        else:
-            tokens[j] = samplers[j](logits[rows[j]])  # the row's own call counts its token
+            tokens[j] = _tail_event(scan.row(rows[j]), cand, j, temperature[j], top_k[j], rng,
+                                    ok)
+        else:  # the row's own call counts its token
+            tokens[j] = samplers[j](logits[rows[j]], ok)
     for s, counted in zip(samplers, exact, strict=True):
         if counted:
             s.generated += 1
@@ -562,7 +630,8 @@ def _sample(logits: torch.Tensor, scan: _NumpyScan | _TorchScan, rows: list[int]
 
 
 def _tail_event(logits: np.ndarray, cand: _Candidates, j: int, temperature: float,
-                top_k: int, rng: np.random.Generator) -> int:
+                top_k: int, rng: np.random.Generator, allowed: np.ndarray | None = None
+                ) -> int:
     """Row j (no top-p) drew its tail's slot, whose weight `tail` only bounds the tail's
     true mass B (every token that is not a candidate).
 
@@ -572,7 +641,7 @@ def _tail_event(logits: np.ndarray, cand: _Candidates, j: int, temperature: floa
     candidate gets w / (A + tail) from the first draw plus (tail - B) / (A + tail) *
     w / (A + B) here, a tail token tail / (A + tail) * B / tail * w / B plus the same.
     """
-    weights = _row_weights(logits, temperature, cand.top[j], top_k)
+    weights = _row_weights(logits, temperature, cand.top[j], top_k, allowed)
     outside = weights.copy()
     outside[cand.cols[cand.start[j]:cand.start[j + 1]]] = 0.0
     pool = outside if rng.random() * cand.tail[j] < outside.sum(dtype=np.float64) else weights

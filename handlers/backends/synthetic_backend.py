@@ -24,6 +24,10 @@ Never a hardware result.
   device call can start, so that time lengthens the step. The synthetic token's logit
   is raised far above the rest first, so greedy and sampled rows both pick it and the
   outputs stay those without the option.
+- With host sampling, requests with a grammar (structured outputs) run too: their masks
+  are filled while the device step runs (SlotGrammars, as on Neuron), the synthetic model
+  picks an allowed token for such a row (handlers/backends/synthetic_grammar.py), and the
+  host's sampler has to find it through the mask.
 """
 
 from __future__ import annotations
@@ -206,8 +210,9 @@ class HostSampling:
 
         return RowSampler(params, self._eos, torch.device("cpu"), prompt)
 
-    def pick(self, samplers: Sequence[Any], tokens: list[int]) -> list[int]:
-        """The host's tokens for rows whose synthetic tokens are `tokens` (the same)."""
+    def pick(self, samplers: Sequence[Any], tokens: list[int], masks: Any = None) -> list[int]:
+        """The host's tokens for rows whose synthetic tokens are `tokens` (the same);
+        `masks`: the constrained rows' StepMasks, which allow their tokens."""
         import numpy as np
         import torch
 
@@ -219,7 +224,7 @@ class HostSampling:
         self._values[at] = self.SPIKE
         try:
             with torch.inference_mode():
-                chosen = sample_rows(self.logits[:n], samplers)
+                chosen = sample_rows(self.logits[:n], samplers, masks=masks)
         finally:
             self._values[at] = held
         if chosen != tokens:
@@ -251,7 +256,10 @@ class SyntheticBackend(Backend):
         self._rows: dict[int, _Row] = {}
         self._decode_s = self.timing.decode_s(self.batch_size)
         self._host: HostSampling | None = None
+        self._steer = None
         host_vocab = config.synthetic.host_sampling_vocab
+        why = ("handler.synthetic.host_sampling_vocab is 0: the synthetic device returns no "
+               "logits to mask; set it to the model's vocab_size")
         if host_vocab:
             if host_vocab <= max(self.words):
                 raise ConfigError(f"handler.synthetic.host_sampling_vocab: {host_vocab} cannot "
@@ -262,6 +270,19 @@ class SyntheticBackend(Backend):
                 raise ConfigError("handler.synthetic.host_sampling_vocab: host sampling with "
                                   "speculation_length is not modelled; set one of them to 0")
             self._host = HostSampling(self.batch_size, host_vocab, self.eos_token_ids)
+            from handlers.backends.synthetic_grammar import GrammarSteer, json_ids
+            from handlers.structured.masks import SlotGrammars
+
+            self.grammars = SlotGrammars(self.batch_size, host_vocab)
+            pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab, len(tokenizer)))))
+            self._steer = GrammarSteer(json_ids(pieces, host_vocab), self.words,
+                                       min(self.eos_token_ids, default=0))
+            why = ""
+        if self.timing.speculation_length:
+            why = ("handler.synthetic.speculation_length: drafts are accepted on the device, "
+                   "where no grammar is checked; set it to 0")
+        if why:
+            self.capabilities = Capabilities({**self.capabilities.unsupported, "grammar": why})
         self.max_tokens_per_step = self.timing.speculation_length + 1
         logger.info("synthetic device: decode %.2f ms at batch %d, prefill %s ms for buckets "
                     "%s, %d word tokens", self._decode_s * 1000, self.batch_size,
@@ -276,14 +297,17 @@ class SyntheticBackend(Backend):
                 raise RequestError("prompt", f"{len(prompt)} tokens; expected 1 to "
                                    f"{self.max_prompt_length}")
         rows = [self._new_row(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        masks = self._start_masks(slots)
         tokens = [self._next(row) for row in rows]
         if self._host is not None:
             for row, prompt, p in zip(rows, prompts, params, strict=True):
                 row.sampler = self._host.sampler(p, prompt)
+        masks = self._steered(masks, rows, tokens)
         self._rows.update(zip(slots, rows, strict=True))
         self._wait(start, self.timing.prefill_s(max(len(p) for p in prompts)))
         if self._host is not None:  # after the device call, as on Neuron
-            tokens = self._host.pick([row.sampler for row in rows], tokens)
+            tokens = self._host.pick([row.sampler for row in rows], tokens, masks)
+            self.grammars.took(slots, tokens)
         return tokens
 
     def _decode(self, slots: Sequence[int]) -> Rows:
@@ -292,11 +316,33 @@ class SyntheticBackend(Backend):
             rows = [self._speculate(self._rows[s]) for s in slots]
             self._wait(start, self._decode_s)
             return rows
-        tokens = [self._next(self._rows[s]) for s in slots]
+        masks = self._start_masks(slots)
+        rows = [self._rows[s] for s in slots]
+        tokens = [self._next(row) for row in rows]
+        masks = self._steered(masks, rows, tokens)
         self._wait(start, self._decode_s)
         if self._host is not None:  # after the device call, as on Neuron
-            tokens = self._host.pick([self._rows[s].sampler for s in slots], tokens)
+            tokens = self._host.pick([row.sampler for row in rows], tokens, masks)
+            self.grammars.took(slots, tokens)
         return [[token] for token in tokens]
+
+    def _start_masks(self, slots: Sequence[int]) -> bool:
+        """Begin filling the constrained rows' masks (they fill while the device runs)."""
+        if self.grammars is None or not self.grammars.any(slots):
+            return False
+        self.grammars.start(list(slots))
+        return True
+
+    def _steered(self, started: bool, rows: list[_Row], tokens: list[int]) -> Any:
+        """The step's masks, once filled, and the constrained rows' synthetic tokens changed
+        to ones their masks allow (within the device's time, as the model's own work)."""
+        if not started:
+            return None
+        masks = self.grammars.masks()
+        keys = [_mix(rows[i].key ^ _mix(rows[i].position)) for i in masks.rows.tolist()]
+        for i, token in zip(masks.rows.tolist(), self._steer.tokens(masks, keys), strict=True):
+            tokens[i] = token
+        return masks
 
     def _speculate(self, row: _Row) -> list[int]:
         """The accepted draft tokens and the target's: the same tokens a step of one would

@@ -32,6 +32,7 @@ from handlers.backends.base import Backend, Rows, SamplingParams, SlotError, Tok
 from handlers.backends.sampling import RowSampler, prompt_logprobs, sample_rows
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
+from handlers.structured.masks import SlotGrammars
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +223,8 @@ class TorchBackend(Backend):
         self.mixes_prefill = self.model.config._attn_implementation == "sdpa" and self._plain
         if self.mixes_prefill:
             self.model.set_attn_implementation(PACKED_ATTENTION)
+        # structured outputs: masks over the LM head's width (which may pad the tokenizer's)
+        self.grammars = SlotGrammars(self.batch_size, int(self.model.config.vocab_size))
 
     # -- Backend interface ------------------------------------------------------------
     @torch.inference_mode()
@@ -233,11 +236,12 @@ class TorchBackend(Backend):
         samplers = [RowSampler(p, self.eos_token_ids, self.device, prompt)
                     for p, prompt in zip(params, prompts, strict=True)]
         cache = self._new_cache()
+        self._start_masks(list(slots))  # filled while the forward runs
         # logits of the last position only (as `generate` asks): the lm_head over every
         # prompt position was ~8% of a 30-token prefill
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
-        tokens = sample_rows(out.logits[:, -1], samplers)  # one batched pass (sampling.py)
+        tokens = self._sample(out.logits[:, -1], samplers, list(slots))  # one batched pass
         # nothing above touched the running batch, so a failure leaves it as it was
         self._rows += [_Row(slot, len(prompt), token, sampler) for slot, prompt, token, sampler
                        in zip(slots, prompts, tokens, samplers, strict=True)]
@@ -251,9 +255,11 @@ class TorchBackend(Backend):
         ids = torch.tensor([[r.last_token] for r in rows], device=self.device)  # [B, 1]
         pos = torch.tensor([[r.length] for r in rows], device=self.device)  # [B, 1]
         self._mask = F.pad(self._mask, (0, 1), value=1)  # [B, T+1]
+        order_slots = [r.slot for r in rows]
+        self._start_masks(order_slots)
         out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=pos,
                          past_key_values=self._cache, use_cache=True)
-        tokens = sample_rows(out.logits[:, -1], [r.sampler for r in rows])  # [B, vocab]
+        tokens = self._sample(out.logits[:, -1], [r.sampler for r in rows], order_slots)
         for r, token in zip(rows, tokens, strict=True):
             r.length += 1
             r.last_token = token
@@ -285,6 +291,8 @@ class TorchBackend(Backend):
         samplers = [RowSampler(p, self.eos_token_ids, self.device, prompt)
                     for p, prompt in zip(params, prompts, strict=True)]
         length = self._mask.shape[1]
+        order_slots = [r.slot for r in rows] + list(slots)
+        self._start_masks(order_slots)
         try:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
                              logits_to_keep=keep, packed_step=plan)
@@ -298,7 +306,7 @@ class TorchBackend(Backend):
                                "step; prefill and decode run apart from now on")
         self._mask = batch_mask
         # [B + n, vocab]: the running rows, then the newcomers, sampled in one pass
-        tokens = sample_rows(out.logits[0], [r.sampler for r in rows] + samplers)
+        tokens = self._sample(out.logits[0], [r.sampler for r in rows] + samplers, order_slots)
         for r, token in zip(rows, tokens[:b], strict=True):
             r.length += 1
             r.last_token = token
@@ -308,6 +316,21 @@ class TorchBackend(Backend):
                        in zip(slots, prompts, first, samplers, strict=True)]
         self._append_rows(plan.new_cache, new_mask)
         return first, decoded
+
+    def _start_masks(self, slots: list[int]) -> None:
+        """Constrained rows' masks, filled on the grammar's thread during the forward."""
+        if self.grammars.any(slots):
+            self.grammars.start(slots)
+
+    def _sample(self, logits: torch.Tensor, samplers: list[RowSampler], slots: list[int]
+                ) -> list[int]:
+        """Every row's token (logits [rows, vocab], rows in `slots` order), constrained rows
+        within their masks; the grammars take the tokens at the next step's start."""
+        masks = self.grammars.masks()
+        tokens = sample_rows(logits, samplers, masks=masks)
+        if masks is not None:
+            self.grammars.took(slots, tokens)
+        return tokens
 
     def token_logprobs(self, slot: int) -> TokenLogprob | None:
         return next((r.sampler.last for r in self._rows if r.slot == slot), None)

@@ -24,6 +24,10 @@ bookkeeping between two device calls is host time the device waits for; while su
 decode can finish nobody, even adding its tokens to their sequences is left to the
 output side (`Unrecorded`). docs/design.md has the measurements.
 
+A request with a grammar (structured outputs) waits for it outside the scheduler, in
+the `GrammarGate`, which compiles it on the compiler's threads and then submits it; the
+backend fills and applies its masks around its device calls (handlers/backends/base.py).
+
 A sequence past its deadline (`Sequence.deadline`) leaves at the start of the next
 step, before admission, so a newcomer takes its slot in that same step: a waiting
 one ends with a 504 error, a running one with finish_reason "timeout" and the text
@@ -44,6 +48,7 @@ from concurrent.futures import Future
 from typing import NamedTuple
 
 from handlers.backends.base import Backend, Rows
+from handlers.engine.grammar_gate import GrammarGate
 from handlers.engine.scheduler import ErrorEvent, Event, Scheduler, Sequence, TextEvent
 from handlers.telemetry.catalog import Finished, SpecDecode
 
@@ -108,15 +113,40 @@ class Engine:
         #: when the current step began (time.monotonic()), None between steps: read by the
         #: engine process's heartbeat thread, so a stuck device call is seen from outside
         self.busy_since: float | None = None
+        #: requests waiting for their grammar (None: the backend applies none)
+        self.grammars: GrammarGate | None = None
+
+    def use_grammars(self, compiler) -> None:
+        """Serve requests with a grammar, compiled by `compiler` (handlers/structured/
+        compiler.GrammarCompiler over the backend's logits)."""
+        self.grammars = GrammarGate(compiler, self._queue, self._end_early)
 
     # -- called from request threads -------------------------------------------------
     def submit(self, seq: Sequence) -> None:
-        """Queue a sequence; raises CapacityError when the queue is full."""
+        """Queue a sequence; raises CapacityError when the queue is full. One with a
+        grammar waits for it to compile first (`GrammarGate`)."""
+        if seq.sampling.grammar is not None and seq.grammar is None:
+            if self.grammars is None:
+                self._end_early(seq, ErrorEvent(400, "this backend applies no grammar",
+                                                field=seq.sampling.grammar.field))
+                return
+            self.grammars.submit(seq)
+            return
+        self._queue(seq)
+
+    def _queue(self, seq: Sequence) -> None:
         with self._cond:
             self.scheduler.submit(seq)
             self._cond.notify()
 
+    def _end_early(self, seq: Sequence, event: ErrorEvent) -> None:
+        """A request that never reached the scheduler ends (from any thread)."""
+        _emit(seq, event)
+        self._after_step()
+
     def cancel(self, request_id: str) -> None:
+        if self.grammars is not None and self.grammars.cancel(request_id):
+            return
         with self._cond:
             seq = self.scheduler.cancel(request_id)
             self._poked = True
@@ -326,7 +356,8 @@ class Engine:
         try:
             first, following = self.backend.step(
                 [s.slot for s in newcomers], [s.prompt_ids for s in newcomers],
-                [s.sampling for s in newcomers], [s.slot for s in running])
+                [s.sampling for s in newcomers], [s.slot for s in running],
+                *_grammars(newcomers))
         except Exception:
             logger.warning("packed step of %d newcomers and %d running sequences failed; "
                            "running them apart", len(newcomers), len(running), exc_info=True)
@@ -342,7 +373,7 @@ class Engine:
         def run(group: list[Sequence]) -> Rows:
             return [[t] for t in self.backend.prefill(
                 [s.slot for s in group], [s.prompt_ids for s in group],
-                [s.sampling for s in group])]
+                [s.sampling for s in group], *_grammars(group))]
 
         if self.scheduler.policy == "micro" or len(seqs) == 1:
             self._call(seqs, lambda: run(seqs), "prefill")
@@ -574,6 +605,14 @@ class QueueSink:
                     logger.exception("delivering an event failed")
 
         loop.call_soon_threadsafe(put)
+
+
+def _grammars(seqs: list[Sequence]) -> tuple[list, ...]:
+    """The newcomers' grammars as the backend's last argument; none at all when none has
+    one (the common case: the call is what it always was)."""
+    if all(s.grammar is None for s in seqs):
+        return ()
+    return ([s.grammar for s in seqs],)
 
 
 def deliver(events: list[tuple[Sequence, Event]]) -> None:

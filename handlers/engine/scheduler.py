@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from handlers.backends.base import SamplingParams, TokenLogprob
 from handlers.engine.detokenize import IncrementalDetokenizer, StopMatcher, Tokenizer
@@ -50,6 +51,7 @@ class ErrorEvent:
     status: int
     message: str
     retry_after_s: int = 0  # > 0: a Retry-After header goes with it (503)
+    field: str = ""  # the request field a 4xx names (a grammar that failed to compile)
 
 
 Event = TextEvent | FinishEvent | ErrorEvent
@@ -84,6 +86,9 @@ class Sequence:
     #: engine thread, only for a request that asked (SamplingParams.logprobs): per token
     logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: structured outputs: the request's RowGrammar (handlers.structured.masks), made from
+    #: its compiled grammar before admission (`sampling.grammar`); None for a free request
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer)

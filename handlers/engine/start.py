@@ -74,9 +74,26 @@ def start_engine(spec: EngineSpec, observer: Observer | None = None,
                                   h.max_queue, h.batch_delay_ms / 1000, group)
 
     engine = Engine.launch(build, observer, after_step)
+    grammar_compiler(engine, tokenizer)
     logger.info("model ready in %.1fs: backend=%s batching=%s slots=%d", time.monotonic() -
                 start, h.backend, h.batching, engine.backend.batch_size)
     return engine, tokenizer
+
+
+def grammar_compiler(engine: Engine, tokenizer) -> None:
+    """Structured outputs, where the backend applies masks: a compiler over its logits'
+    width whose tokenizer conversion (a walk of the whole vocabulary, seconds at 128k
+    entries) starts now, on the compiler's thread, so the first such request does not wait
+    for it and no step ever does."""
+    vocab = engine.backend.grammar_vocab()
+    if not vocab:
+        return
+    from handlers.structured.compiler import GrammarCompiler, grammar_tokenizer
+
+    compiler = GrammarCompiler(partial(grammar_tokenizer, tokenizer, vocab,
+                                       sorted(engine.backend.eos_token_ids)))
+    compiler.start()
+    engine.use_grammars(compiler)
 
 
 def model_limits(backend: Backend) -> ModelLimits:

@@ -157,6 +157,12 @@ class GrammarCompiler:
         self.start()
         return self._tokenizer.result()
 
+    def ready(self) -> Future:
+        """The tokenizer conversion, begun if it was not: compiles wait for it, and their
+        time bound starts once it is done (it is the model's, not the request's)."""
+        self.start()
+        return self._tokenizer
+
     def submit(self, spec: GrammarSpec) -> Future:
         """A future of the Compiled grammar (cached, or compiling now). Its exception is a
         RequestError naming the spec's field."""

@@ -11,11 +11,15 @@ word w is token 32 w + j), the layout of llguidance, xgrammar and vLLM.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 ALL = -1  # an int32 word with every bit set: 32 tokens allowed
 
@@ -216,3 +220,138 @@ def _numpy_view(logits: Any) -> np.ndarray | None:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy()
     return None
+
+
+def bits_at(bitmask: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """[n] bool: whether bitmask row rows[i] allows token cols[i] (vectorized bit tests:
+    what checking a sampler's candidates against the grammar costs)."""
+    words = bitmask.view(np.uint32)[rows, cols >> 5]
+    return ((words >> (cols & 31).astype(np.uint32)) & 1).astype(bool)
+
+
+def allowed_ids(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row position, token id) of every allowed token of bitmask rows [k, words], ordered
+    by row, then id; only the nonzero words are unpacked, so a row allowing few tokens
+    costs what it allows plus one pass over its words."""
+    r, c = np.nonzero(packed)
+    return _bits(packed, r, c, 1)
+
+
+@dataclass
+class StepMasks:
+    """A step's constrained rows: their positions in the step's logits (ascending) and
+    their bitmask rows, [k, words] int32, bit j of word w allowing token 32 w + j."""
+
+    rows: np.ndarray
+    bitmask: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class SlotGrammars:
+    """The grammars of a backend's slots, and each step's masks filled while the device runs.
+
+    A backend that samples on the host holds one. `assign` gives a slot its request's
+    `RowGrammar` at prefill and `drop` forgets it at release. Around each device call the
+    backend calls `start(slots)` just before it (a helper thread advances every constrained
+    slot's matcher over the token the last step gave it, then fills the slot's bitmask row:
+    llguidance releases the GIL, so this runs while the device does), `masks()` once the
+    logits are back (it waits for the fill, which by then has usually finished, and hands
+    the sampler the step's `StepMasks`), then `took(slots, tokens)` with the step's tokens,
+    which the next `start` feeds to the matchers -- so advancing the matchers is off the
+    step's critical path too. Free slots cost nothing: a step without constrained rows
+    starts no work and hands back None.
+
+    A matcher that refuses a token (a sampler that drew outside the mask, which the tests
+    rule out) is logged and its row allows nothing; the sampler then ends that row with
+    EOS, so one request's broken grammar never fails the batch.
+    """
+
+    def __init__(self, batch_size: int, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.bitmask = np.zeros((batch_size, words(vocab_size)), dtype=np.int32)
+        self._rows: dict[int, RowGrammar] = {}
+        self._fed: dict[int, list[int]] = {}  # tokens a slot's matcher has yet to take
+        self._pool: ThreadPoolExecutor | None = None
+        self._job: tuple[list[int], list[int], Future] | None = None
+
+    def assign(self, slots: Sequence[int], grammars: Sequence[RowGrammar | None]) -> None:
+        self.settle()
+        for slot, grammar in zip(slots, grammars, strict=True):
+            if grammar is not None:
+                self._rows[slot] = grammar
+                self._fed[slot] = []
+
+    def drop(self, slots: Sequence[int]) -> None:
+        self.settle()
+        for slot in slots:
+            self._rows.pop(slot, None)
+            self._fed.pop(slot, None)
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._rows
+
+    def any(self, slots: Sequence[int]) -> bool:
+        return bool(self._rows) and any(s in self._rows for s in slots)
+
+    def start(self, slots: Sequence[int]) -> None:
+        """Begin filling the masks of the constrained ones of `slots` (the order of the
+        step's logits rows) on the helper thread."""
+        self.settle()
+        if not self._rows:
+            return
+        positions = [i for i, s in enumerate(slots) if s in self._rows]
+        if not positions:
+            return
+        chosen = [slots[i] for i in positions]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="inf2serve-masks")
+        work = [(s, self._rows[s], self._fed[s]) for s in chosen]
+        for s in chosen:
+            self._fed[s] = []
+        self._job = (positions, chosen, self._pool.submit(self._fill, work))
+
+    def _fill(self, work: list[tuple[int, RowGrammar, list[int]]]) -> None:
+        size = self.bitmask.shape[1] * 4
+        for slot, grammar, tokens in work:
+            if tokens and grammar.accept(tokens) != len(tokens) and not grammar.done:
+                logger.warning("slot %d: the grammar refused token(s) %s: %s", slot, tokens,
+                               grammar.failed or "not allowed")
+            row = self.bitmask[slot]
+            if grammar.matcher.is_error():
+                row[:] = 0
+                continue
+            grammar.matcher.unsafe_compute_mask_ptr(row.ctypes.data, size)
+
+    def masks(self) -> StepMasks | None:
+        """The masks `start` began (None when no row of the step is constrained)."""
+        job, self._job = self._job, None
+        if job is None:
+            return None
+        positions, chosen, future = job
+        future.result()
+        return StepMasks(np.asarray(positions, dtype=np.int64), self.bitmask[chosen])
+
+    def took(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
+        """The step's token of each of `slots`, fed to their matchers by the next `start`."""
+        if not self._rows:
+            return
+        for slot, token in zip(slots, tokens, strict=True):
+            fed = self._fed.get(slot)
+            if fed is not None:
+                fed.append(token)
+
+    def settle(self) -> None:
+        """Wait for a fill still running (a device call that failed after `start`)."""
+        job, self._job = self._job, None
+        if job is not None:
+            try:
+                job[2].result()
+            except Exception:
+                logger.exception("filling the grammar masks failed")
+
+    def close(self) -> None:
+        self.settle()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

@@ -181,16 +181,17 @@ class StreamWriter:
         self.sender.flush()
         return self.finish(self.framer.final(event))
 
-    def end_with_error(self, status: int, message: str, retry_after_s: int = 0) -> str:
+    def end_with_error(self, status: int, message: str, retry_after_s: int = 0,
+                       field: str = "") -> str:
         """A failure, in the answer's own format (a native JSON error before one is
         known): in the stream if a chunk went out (the text before it first), else a
         proper HTTP status."""
         framer = self.framer or native_framer(False, "")
         self.sender.flush()
         if self.started:
-            return self.finish(framer.error(status, message, in_stream=True))
+            return self.finish(framer.error(status, message, field or None, in_stream=True))
         retry = {"Retry-After": str(retry_after_s)} if retry_after_s else None
-        return self.fail(status, framer.error(status, message), retry)
+        return self.fail(status, framer.error(status, message, field or None), retry)
 
     def finish(self, last: str) -> str:
         """The answer's last piece; returned to TorchServe, which ends the stream with it.
@@ -368,7 +369,8 @@ class GenerationHandler:
             if isinstance(end, FinishEvent):
                 return writer.end(end)
             if isinstance(end, ErrorEvent):
-                return writer.end_with_error(end.status, end.message, end.retry_after_s)
+                return writer.end_with_error(end.status, end.message, end.retry_after_s,
+                                             end.field)
 
     def _hand_over(self, sock: Any) -> None:
         """TorchServe's socket to the engine process, which answers this worker's requests

@@ -371,10 +371,10 @@ def test_host_sampling_runs_after_the_device_step(tiny_checkpoint, tokenizer, mo
         events.append("device")
         sleep(seconds)
 
-    def timed_pick(self, samplers, tokens):
+    def timed_pick(self, samplers, tokens, masks=None):
         events.append("host")
         clock.now += 0.003  # host sampling's time
-        return pick(self, samplers, tokens)
+        return pick(self, samplers, tokens, masks)
 
     b._timer._sleep = timed_sleep
     monkeypatch.setattr(synthetic_backend.HostSampling, "pick", timed_pick)

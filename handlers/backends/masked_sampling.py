@@ -1,0 +1,201 @@
+"""The grammar's mask inside the batched sampler: candidates checked against a bitmask.
+
+A constrained row (structured outputs: handlers/structured) may take only the tokens its
+bitmask allows. Masking the row whole -- unpacking 128,256 bits and writing -inf where
+they are clear -- is a pass over the row, and inside a JSON string a row allows nearly
+every token, so it cannot be skipped: 24 ms for 32 rows of 128,256 on the bench host,
+over a 10 ms device step (bench/results/grammar_engines.md). The batched sampler already
+looks only at each row's candidates (the tokens near its best, handlers/backends/
+sampling.py), so here it checks just those against the bitmask (`bits_at`, a few
+operations per candidate) and touches the rest of the row only where the check cannot
+decide. Every path is exact -- the same token (greedy) or the same distribution (sampled)
+as the row masked whole and handed to the plain sampler:
+
+- a row allowing few tokens (at most COMPACT: between JSON values, a key, an enum, a
+  number) is gathered: its allowed ids and their logits are its whole support, so its
+  candidates are exactly those, with no tail;
+- greedy: the best allowed token among the candidates within GREEDY_DEPTH of the row's
+  maximum is the masked row's argmax (everything below weighs less); only a row none of
+  whose candidates is allowed is masked whole (`masked_argmax`);
+- sampled: candidates are filtered by the mask and, where the best allowed one sits below
+  the row's best, taken again CANDIDATE_NATS below it, so the tail bound (now over the
+  allowed tokens outside the candidates) is as tight as for a free row; the row's exact
+  tail, when the sampler needs it, is computed over the allowed tokens only. A row with
+  no allowed candidate goes to its own sampler with the mask (a pass over the row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from handlers.structured.masks import allowed, allowed_ids, bits_at, popcount
+
+#: a row allowing at most this many tokens is gathered rather than searched: its ids come
+#: out of the nonzero words only, and at 4,096 tokens that is still a small fraction of a
+#: 128,256-token row
+COMPACT = 4096
+#: how far below a constrained greedy row's maximum (in logits) its candidates reach: any
+#: depth is exact; this one keeps a peaked row to a few blocks of the scan
+GREEDY_DEPTH = 15.0
+
+
+class RowLimits:
+    """Which tokens each row of one sampler call may take: `index[j]` is row j's bitmask row
+    (-1: a free row), `counts` how many tokens each row allows (the vocabulary for a free
+    row), `compact` the rows gathered whole."""
+
+    def __init__(self, bitmask: np.ndarray, index: np.ndarray, vocab: int) -> None:
+        short = (vocab + 31) // 32 - bitmask.shape[1]
+        if short > 0:  # logits wider than the grammar's vocabulary: those ids never allowed
+            bitmask = np.pad(bitmask, ((0, 0), (0, short)))
+        self.bitmask = bitmask
+        self.index = np.asarray(index, dtype=np.int64)
+        self.vocab = vocab
+        self.constrained = self.index >= 0
+        self.counts = np.full(len(self.index), vocab, dtype=np.int64)
+        if self.constrained.any():
+            self.counts[self.constrained] = popcount(bitmask[self.index[self.constrained]])
+        self.compact = self.constrained & (self.counts <= COMPACT)
+
+    def subset(self, js: list[int] | np.ndarray) -> RowLimits:
+        return RowLimits(self.bitmask, self.index[np.asarray(js, dtype=np.int64)], self.vocab)
+
+    def keep(self, r: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """[n] bool: whether row r[i] may take token c[i] (free rows take anything)."""
+        ok = ~self.constrained[r]
+        sel = np.flatnonzero(~ok)
+        if len(sel):
+            ok[sel] = bits_at(self.bitmask, self.index[r[sel]], c[sel])
+        return ok
+
+    def row(self, j: int) -> np.ndarray | None:
+        """[vocab] bool of row j's allowed tokens; None for a free row."""
+        if not self.constrained[j]:
+            return None
+        return allowed(self.bitmask[self.index[j]], self.vocab)
+
+    def gather(self, scan: Any, rows: np.ndarray, js: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(row j, token id, logit) of every token rows `js` allow, ordered by row, then id;
+        `rows` maps j to the row of the scanned logits."""
+        owner, ids = allowed_ids(self.bitmask[self.index[js]])
+        inside = ids < self.vocab  # never past the logits (the tokenizer's ids are less)
+        r, ids = js[owner[inside]], ids[inside]
+        return r, ids, values(scan, rows[r], ids)
+
+
+def values(scan: Any, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """float32 logits at (rows[i], cols[i]) of a scan's logits (numpy, or torch elsewhere)."""
+    x = scan.x
+    if isinstance(x, np.ndarray):
+        return x[rows, cols]
+    import torch
+
+    index = torch.from_numpy(rows).to(x.device), torch.from_numpy(cols).to(x.device)
+    return x[index].float().cpu().numpy()
+
+
+def _first_best(r: np.ndarray, c: np.ndarray, v: np.ndarray, m: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Per row j < m: the lowest id among its highest values (argmax's tie rule), and
+    whether it had any entry."""
+    out = np.full(m, -1, dtype=np.int64)
+    if not len(r):
+        return out, out >= 0
+    order = np.lexsort((c, -v, r))
+    r, c = r[order], c[order]
+    first = np.concatenate([[True], r[1:] != r[:-1]])
+    out[r[first]] = c[first]
+    return out, out >= 0
+
+
+def masked_argmax(row: np.ndarray, ok: np.ndarray) -> int:
+    """The argmax of a row masked whole: its first highest allowed logit (the full pass)."""
+    token = int(np.where(ok, row, -np.inf).argmax())
+    if not ok[token]:  # every allowed logit is -inf (or NaN): the first allowed token
+        token = int(np.flatnonzero(ok)[0])
+    return token
+
+
+def greedy(scan: Any, rows: list[int], limits: RowLimits) -> np.ndarray:
+    """Each constrained greedy row's token: the masked row's argmax, ties to the lowest
+    id; -1 for a row that allows nothing."""
+    rows_ = np.asarray(rows, dtype=np.int64)
+    m = len(rows_)
+    out = np.full(m, -1, dtype=np.int64)
+    compact = np.flatnonzero(limits.compact)
+    if len(compact):
+        r, c, v = limits.gather(scan, rows_, compact)
+        best, found = _first_best(r, c, v, m)
+        out[found] = best[found]
+    wide = np.flatnonzero(~limits.compact & (limits.counts > 0))
+    if len(wide):
+        top = scan.max[rows_[wide]].astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            tau = np.where(np.isfinite(top), top - GREEDY_DEPTH, -np.inf).astype(np.float32)
+        r, c, v = scan.candidates(rows_[wide].tolist(), tau)
+        r = wide[r]
+        ok = limits.keep(r, c)
+        best, found = _first_best(r[ok], c[ok], v[ok], m)
+        out[wide[found[wide]]] = best[wide[found[wide]]]
+        for j in wide[~found[wide]]:  # no candidate allowed: the row masked whole
+            out[j] = masked_argmax(scan.row(int(rows_[j])), limits.row(int(j)))
+    return out
+
+
+def candidates(scan: Any, rows: list[int], best: np.ndarray, temperature: np.ndarray,
+               nats: np.ndarray, limits: RowLimits,
+               thresholds: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The sampled rows' candidates where some rows are constrained: (r, c, v) ordered by
+    row then id, each row's best (its best allowed logit where constrained) and its
+    threshold tau (-inf for a gathered row: all it allows is a candidate)."""
+    rows_ = np.asarray(rows, dtype=np.int64)
+    m = len(rows_)
+    best = best.astype(np.float32).copy()
+    tau = thresholds(best, temperature, nats)
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    searched = np.flatnonzero(~limits.compact)
+    if len(searched):
+        r, c, v = scan.candidates(rows_[searched].tolist(), tau[searched])
+        r = searched[r]
+        ok = limits.keep(r, c)
+        r, c, v = r[ok], c[ok], v[ok]
+        wide = limits.constrained & ~limits.compact
+        if wide.any():
+            # each wide row's best allowed candidate; where it sits below the row's best,
+            # look CANDIDATE_NATS below it instead (a deeper, second search of that row)
+            top = np.full(m, -np.inf, dtype=np.float32)
+            np.maximum.at(top, r, v)
+            lower = np.flatnonzero(wide & np.isfinite(top) & (top < best))
+            if len(lower):
+                best[lower] = top[lower]
+                deeper = thresholds(best[lower], temperature[lower], nats[lower])
+                tau[lower] = np.minimum(tau[lower], deeper)
+                drop = np.isin(r, lower)
+                r, c, v = r[~drop], c[~drop], v[~drop]
+                r2, c2, v2 = scan.candidates(rows_[lower].tolist(), tau[lower])
+                r2 = lower[r2]
+                ok = limits.keep(r2, c2)
+                parts.append((r2[ok], c2[ok], v2[ok]))
+            none = np.flatnonzero(wide & ~np.isfinite(top))
+            best[none] = np.nan  # nothing allowed among the candidates: the row's own call
+        parts.append((r, c, v))
+    compact = np.flatnonzero(limits.compact)
+    if len(compact):
+        r, c, v = limits.gather(scan, rows_, compact)
+        top = np.full(m, -np.inf, dtype=np.float32)
+        np.maximum.at(top, r, v)
+        best[compact] = np.where(np.isfinite(top[compact]), top[compact], np.nan)
+        tau[compact] = -np.inf
+        parts.append((r, c, v))
+    r = np.concatenate([p[0] for p in parts])
+    c = np.concatenate([p[1] for p in parts])
+    v = np.concatenate([p[2] for p in parts])
+    if len(parts) > 1:
+        order = np.lexsort((c, r))
+        r, c, v = r[order], c[order], v[order]
+    return r, c, v, best, tau

@@ -1,0 +1,66 @@
+"""The synthetic device's model for constrained rows: a token the grammar allows.
+
+The synthetic device's tokens are a function of (prompt, position) drawn from plain words,
+and a grammar would refuse nearly all of them. For a row with a grammar (structured
+outputs, `handler.synthetic.host_sampling_vocab` set) the device instead "predicts" a
+token its mask allows, as a model trained to follow the format would put its best logit
+on one: while the device step runs, once the row's mask is filled (SlotGrammars), it
+picks one -- where few are allowed, one of those; else the first allowed of a few
+candidates drawn from the tokens that hold JSON punctuation and from the words, so
+strings stay short and objects and arrays close -- and the host's sampler then has to
+find that token through the mask, as it would a real model's. Everything is keyed on
+(prompt, position), so a greedy row's answer is reproducible. Never a hardware result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from handlers.structured.masks import StepMasks, allowed_ids, bits_at, popcount
+
+#: characters a JSON answer's structure is made of
+PUNCTUATION = set('"{}[],:0123456789')
+#: how many candidates a row that allows many tokens checks before listing its mask
+TRIES = 8
+#: a row allowing at most this many tokens picks among all of them
+FEW = 64
+
+
+def json_ids(pieces: list, vocab: int) -> np.ndarray:
+    """Ids of short tokens holding JSON punctuation (their pieces as the tokenizer lists
+    them: byte-level and sentencepiece pieces keep ASCII punctuation as it is)."""
+    return np.array([i for i, p in enumerate(pieces[:vocab]) if isinstance(p, str)
+                     and len(p) <= 3 and PUNCTUATION & set(p)], dtype=np.int64)
+
+
+class GrammarSteer:
+    """Picks the constrained rows' synthetic tokens from their masks."""
+
+    def __init__(self, punctuation: np.ndarray, words: tuple[int, ...], eos: int) -> None:
+        self.eos = eos  # a row whose grammar allows nothing ends (as the sampler ends it)
+        # half the candidates close or join (punctuation), half go on (words)
+        self.pool = np.concatenate([punctuation, np.asarray(words, dtype=np.int64)[
+            :max(1, len(punctuation))]])
+        self.half = len(punctuation)
+
+    def tokens(self, masks: StepMasks, keys: list[int]) -> list[int]:
+        """One allowed token per constrained row (`keys`: a hash of each row's prompt and
+        position, in the order of masks.rows)."""
+        out = []
+        counts = popcount(masks.bitmask)
+        for j, key in enumerate(keys):
+            bits = masks.bitmask[j:j + 1]
+            if counts[j] > FEW and len(self.pool):
+                h = np.array([key >> (8 * t) for t in range(TRIES)], dtype=np.uint64)
+                picks = np.where(np.arange(TRIES) % 2 == 0,
+                                 (h % np.uint64(max(self.half, 1))).astype(np.int64),
+                                 self.half + (h % np.uint64(max(len(self.pool) - self.half, 1))
+                                              ).astype(np.int64))
+                cand = self.pool[np.minimum(picks, len(self.pool) - 1)]
+                ok = bits_at(bits, np.zeros(TRIES, dtype=np.int64), cand)
+                if ok.any():
+                    out.append(int(cand[int(np.argmax(ok))]))
+                    continue
+            _, ids = allowed_ids(bits)
+            out.append(int(ids[key % len(ids)]) if len(ids) else self.eos)
+        return out
