@@ -17,6 +17,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,10 @@ from handlers.api.body import brief
 from handlers.api.chat_template import chat_prompt
 from handlers.api.native import Api, Immediate, Prepared
 from handlers.api.openai_framing import OpenAIErrorFramer, ResponseMeta, openai_framer
-from handlers.api.openai_request import OpenAIRequest, parse_chat, parse_completion
+from handlers.api.openai_request import ChatRequest, OpenAIRequest, parse_chat, parse_completion
 from handlers.backends.capabilities import check_sampling
 from handlers.errors import RequestError
+from handlers.structured.spec import forced_tool_call
 
 #: SamplingParams features under the names OpenAI clients send (backends/capabilities.py)
 OPENAI_NAMES = {"min_new_tokens": "min_tokens", "prompt_logprobs": "echo"}
@@ -132,7 +134,25 @@ class ChatCompletionsApi:
         text, prompt_ids = chat_prompt(service.tokenizer, request.messages, setting, tools,
                                        request.template_kwargs)
         meta = _meta(request, model, True, service.tokenizer, tool_calls=reader)
+        if reader is not None and request.tools.forced:
+            request = forced_calls(request, tools, reader, service)
         return _prepared(request, text, prompt_ids, meta, service)
+
+
+def forced_calls(request: ChatRequest, tools: list[dict[str, Any]], reader: Any,
+                 service: Any) -> ChatRequest:
+    """`tool_choice` "required" or a named function, enforced: the answer's grammar is one
+    or more calls of the offered functions (one call of the named one), each call's
+    arguments valid for its `parameters`, in the format the template teaches -- so the
+    reader takes the answer as calls, and the finish reason is "tool_calls"."""
+    asked = request.tools
+    fmt = reader.parser.grammar
+    if asked.named:
+        fmt = replace(fmt, separator=None)
+    grammar = forced_tool_call(tools, asked.choice if asked.named else None, fmt)
+    sampling = replace(request.params.sampling, grammar=grammar)
+    check_sampling(sampling, service.limits.capabilities, OPENAI_NAMES)
+    return replace(request, params=replace(request.params, sampling=sampling))
 
 
 def token_string(tokenizer: Any, token: int) -> str:

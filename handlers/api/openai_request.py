@@ -16,11 +16,10 @@ honours vLLM's and TGI's extensions that clients send (GuideLLM: `ignore_eos`,
 and `timeout` (a server-side deadline). docs/design.md says why frozen dataclasses and not
 pydantic, with the cost of each per request.
 
-Where the next fields land: `response_format` json_object / json_schema (with `strict`)
-is the GrammarSpec handlers/structured/spec.py parses, in `ChatRequest.response_format`
-(`_response_format` will call it), carried to the engine with the request; `chat_template_kwargs`
-(e.g. `enable_thinking`) fills `ChatRequest.template_kwargs`, which the template render
-already passes on.
+`response_format` json_object / json_schema (with `strict`), on chat and completions, is
+the GrammarSpec handlers/structured/spec.py parses (read_params puts it in the sampling
+settings, which carry it to the engine); `chat_template_kwargs` (e.g. `enable_thinking`)
+will fill `ChatRequest.template_kwargs`, which the template render already passes on.
 """
 
 from __future__ import annotations
@@ -60,7 +59,8 @@ SETTINGS = ("temperature", "top_p", "top_k", "stop", "seed", "min_tokens", "igno
             "repetition_penalty", "frequency_penalty", "presence_penalty",
             "timeout")  # our extension (OpenAI has no server-side deadline field)
 COMMON = ("model", "stream", "stream_options", "n", "logit_bias", "user", *SETTINGS)
-COMPLETION_FIELDS = ("prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix", *COMMON)
+COMPLETION_FIELDS = ("prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix",
+                     "response_format", *COMMON)
 CHAT_FIELDS = ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
                "store", "metadata", "service_tier", "response_format", "tools", "tool_choice",
                "parallel_tool_calls", *COMMON)
@@ -115,8 +115,8 @@ class ChatRequest(OpenAIRequest):
     #: the first message that needs a template with a tool format (a tool result, an
     #: assistant's tool_calls), as an error names it; None when none does
     tool_turn: str | None = None
-    #: `response_format` as the constraint it asks for (handlers/structured/spec.py): None
-    #: for text, the only one served until the grammar layer is wired to the engine
+    #: `response_format` as the constraint it asks for (handlers/structured/spec.py), as
+    #: `params.sampling.grammar` holds it; None for text
     response_format: GrammarSpec | None = None
     #: extra variables for the chat template (`chat_template_kwargs`; none accepted yet)
     template_kwargs: Mapping[str, Any] | None = None
@@ -262,19 +262,14 @@ def parse_chat(payload: Any, content_type: str, config: HandlerConfig) -> ChatRe
     tools = tool_calls.parse_tools(body)
     messages, tool_turn, chars = parse_messages(body)
     params = read_params(body, config, names, prompt_chars=chars, logprobs=logprobs)
+    grammar = params.sampling.grammar
+    if grammar is not None and tools is not None and tools.forced:
+        raise RequestError("response_format", f"cannot be combined with tool_choice "
+                           f"{brief(tools.choice)}, which forces the answer's shape itself; "
+                           "send one of them")
     return ChatRequest(body.get("model"), params, stream, options, logprobs,
                        messages=messages, tools=tools, tool_turn=tool_turn,
-                       response_format=_response_format(body))
-
-
-def _response_format(body: dict[str, Any]) -> GrammarSpec | None:
-    """Text only, until the grammar layer is wired in: then `spec.response_format(value)`,
-    whose GrammarSpec (or its 400 naming the field) is what this returns."""
-    value = body.get("response_format")
-    if value is None or value == {"type": "text"}:
-        return None
-    raise RequestError("response_format", f"{brief(value)} is not supported; this server "
-                       "accepts only {\"type\": \"text\"}")
+                       response_format=grammar)
 
 
 def _content(value: Any, where: str) -> str:

@@ -18,6 +18,7 @@ from handlers.api.body import brief, closest_hint, decode_body
 from handlers.backends.base import SamplingParams
 from handlers.config import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, HandlerConfig
 from handlers.errors import RequestError
+from handlers.structured import spec as grammar_spec
 
 #: prompts longer than handler.max_length x this many characters are refused before
 #: tokenizing: tokenizing runs on the event loop every stream of the worker shares, and a
@@ -86,7 +87,7 @@ class GenerationParams:
 
 
 FIELDS = ("prompt", "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "stop",
-          "seed", "stream", "stream_format", "details", "timeout")
+          "seed", "stream", "stream_format", "details", "timeout", "response_format")
 #: other names of FIELDS: what TorchServe's LLM examples send (its vLLM handler hands the body
 #: to vLLM's SamplingParams, whose name `max_tokens` is)
 ALIASES = {"max_tokens": "max_new_tokens"}
@@ -193,7 +194,8 @@ def read_params(body: dict[str, Any], config: HandlerConfig, names: FieldNames =
     `prompt`: the body's text prompt, to check (a non-blank string, not too large); or
     ASSEMBLED and `prompt_chars` the size of the one the API builds itself. The penalties
     and `ignore_eos` are OpenAI's (vLLM's) fields: absent from a native body, they take
-    their neutral defaults."""
+    their neutral defaults. `response_format` (OpenAI's shape in every API) is the answer's
+    grammar (handlers/structured/spec.py), compiled by the engine."""
     d = config.defaults
     _check_prompt(prompt, prompt_chars, config, names.prompt)
     limit = config.max_new_tokens_limit
@@ -218,6 +220,8 @@ def read_params(body: dict[str, Any], config: HandlerConfig, names: FieldNames =
         presence_penalty=(bounded_float(body, "presence_penalty", 0, -2, 2)
                           if "presence_penalty" in body else 0.0),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        grammar=(grammar_spec.response_format(body["response_format"])
+                 if "response_format" in body else None),
     )  # what the backend can honour is checked by the API (backends/capabilities.py)
     return GenerationParams(max_new, min_new, sampling, _stop(body, d.stop),
                             _timeout(body, config), asked > limit, names)

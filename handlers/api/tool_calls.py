@@ -9,9 +9,10 @@ format (probed once per template: a tool named here must show up in the rendered
 and (3) reads the calls back out of the answer in the format the template teaches
 (handlers/api/tool_parsers: one class per format, picked by how the template renders a
 probe call). Anything that is not, whole, calls of the offered tools is the content the
-model wrote, with finish_reason "stop" (or "length") -- never a failed request. There is
-no constrained decoding here: `required` or a named tool asks the model through the
-prompt, and a model that answers in prose anyway gets its prose back.
+model wrote, with finish_reason "stop" (or "length") -- never a failed request. `required`
+or a named tool is enforced by a grammar of the offered functions' calls in the template's
+format (handlers/api/openai.forced_calls; handlers/structured), so the answer is calls
+with finish_reason "tool_calls" unless `max_tokens` cuts it ("length").
 
 A template without a tool format answers `auto` and `none` as plain chat (the tools are
 not rendered), as a chat UI that always sends its built-in tools expects; `required` or a

@@ -27,9 +27,9 @@ def capabilities_for(config: HandlerConfig) -> Capabilities:
 
         return capabilities(config.neuron.on_device_sampling, config.neuron.global_top_k)
     if config.backend == "synthetic":
-        from handlers.backends.synthetic_backend import SyntheticBackend
+        from handlers.backends.synthetic_backend import capabilities
 
-        return SyntheticBackend.capabilities
+        return capabilities(config)
     from handlers.backends.base import Capabilities
 
     return Capabilities()  # torch: host sampling from full logits, every prompt position

@@ -44,7 +44,10 @@ def check_sampling(p: SamplingParams, caps: Capabilities,
     names = names or {}
     for feature in asked(p):
         if why := caps.unsupported.get(feature):
-            raise RequestError(names.get(feature, feature), f"not supported here: {why}")
+            name = names.get(feature, feature)
+            if feature == "grammar":  # the field that asked for it: response_format, tool_choice
+                name = p.grammar.field.split(".")[0]
+            raise RequestError(name, f"not supported here: {why}")
     if caps.max_top_k is not None and not p.greedy and p.top_k > caps.max_top_k:
         raise RequestError(names.get("top_k", "top_k"), f"{p.top_k} is out of range; allowed "
                            f"[0, {caps.max_top_k}] ({caps.max_top_k_setting})")

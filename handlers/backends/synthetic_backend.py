@@ -233,10 +233,26 @@ class HostSampling:
         return chosen
 
 
+NO_LOGITS = Capabilities.lacking(
+    ("repetition_penalty", "frequency_penalty", "presence_penalty", "logprobs",
+     "prompt_logprobs"), "handler.backend synthetic runs no model, so it has no logits")
+
+
+def capabilities(config: HandlerConfig) -> Capabilities:
+    """What the synthetic device honours: no penalties or logprobs (no model), and a grammar
+    only where the host samples its logits, one token a step."""
+    why = ""
+    if not config.synthetic.host_sampling_vocab:
+        why = ("handler.synthetic.host_sampling_vocab is 0: the synthetic device returns no "
+               "logits to mask; set it to the model's vocab_size")
+    if config.synthetic.speculation_length:
+        why = ("handler.synthetic.speculation_length: drafts are accepted on the device, "
+               "where no grammar is checked; set it to 0")
+    return Capabilities({**NO_LOGITS.unsupported, "grammar": why}) if why else NO_LOGITS
+
+
 class SyntheticBackend(Backend):
-    capabilities = Capabilities.lacking(
-        ("repetition_penalty", "frequency_penalty", "presence_penalty", "logprobs",
-         "prompt_logprobs"), "handler.backend synthetic runs no model, so it has no logits")
+    capabilities = NO_LOGITS
 
     def __init__(self, checkpoint: Path, config: HandlerConfig, *, tokenizer=None,
                  clock: Callable[[], float] = time.perf_counter,
@@ -258,8 +274,6 @@ class SyntheticBackend(Backend):
         self._host: HostSampling | None = None
         self._steer = None
         host_vocab = config.synthetic.host_sampling_vocab
-        why = ("handler.synthetic.host_sampling_vocab is 0: the synthetic device returns no "
-               "logits to mask; set it to the model's vocab_size")
         if host_vocab:
             if host_vocab <= max(self.words):
                 raise ConfigError(f"handler.synthetic.host_sampling_vocab: {host_vocab} cannot "
@@ -277,12 +291,7 @@ class SyntheticBackend(Backend):
             pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab, len(tokenizer)))))
             self._steer = GrammarSteer(json_ids(pieces, host_vocab), self.words,
                                        min(self.eos_token_ids, default=0))
-            why = ""
-        if self.timing.speculation_length:
-            why = ("handler.synthetic.speculation_length: drafts are accepted on the device, "
-                   "where no grammar is checked; set it to 0")
-        if why:
-            self.capabilities = Capabilities({**self.capabilities.unsupported, "grammar": why})
+        self.capabilities = capabilities(config)
         self.max_tokens_per_step = self.timing.speculation_length + 1
         logger.info("synthetic device: decode %.2f ms at batch %d, prefill %s ms for buckets "
                     "%s, %d word tokens", self._decode_s * 1000, self.batch_size,

@@ -232,7 +232,9 @@ def test_template_exceptions_are_400_on_messages(service) -> None:
     ({"messages": CHAT, "max_completion_tokens": 4, "max_tokens": 5}, "max_completion_tokens"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": CHAT, "tools": [], "tool_choice": "required"}, "tool_choice"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {}}}}, "response_format.json_schema.name"),
 ])
 def test_chat_rejections_name_the_openai_field(tokenizer, body, param) -> None:
     rejects(ChatCompletionsApi(), body, make_service(tokenizer, chat_template="llama-2"), param)

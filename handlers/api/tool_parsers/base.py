@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from handlers.structured.spec import ToolCallFormat
+
 
 @dataclass(frozen=True)
 class Call:
@@ -30,6 +32,9 @@ class ToolParser(ABC):
 
     #: the format's name, as vLLM's `--tool-call-parser` spells it where it has one
     name: ClassVar[str]
+    #: how a grammar writes one call and joins several (`tool_choice` "required" or a named
+    #: function forces calls in this shape: handlers/structured/compiler.tool_call_lark)
+    grammar: ClassVar[ToolCallFormat]
 
     @classmethod
     @abstractmethod

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from handlers.api.tool_parsers.base import Call, ToolParser
+from handlers.structured.spec import ToolCallFormat
 
 #: the token Llama 3.1 writes before a tool call (vLLM's parser strips it too)
 PYTHON_TAG = "<|python_tag|>"
@@ -22,6 +23,8 @@ _SEPARATORS = " \t\r\n;"
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    #: `{"name": ..., "parameters": {...}}`, several joined by "; " (what `parse` reads)
+    grammar = ToolCallFormat(name_key="name", args_key="parameters", separator="; ")
 
     @classmethod
     def speaks(cls, rendered_call: str) -> bool:
