@@ -1,24 +1,34 @@
-"""Tool calling through a real TorchServe, with the official `openai` client.
+"""Tool calling and structured outputs through a real TorchServe, with the official
+`openai` client.
 
 The model is tests/scripted_checkpoint.py's: a real Llama checkpoint whose greedy answer
 to its tool-format prompt is a JSON call of `get_weather`, and to a tool result a sentence.
 Served twice in one TorchServe: with its own template (a tool format) and with the
-llama-2 preset (none), which must answer a request carrying tools as plain chat.
+llama-2 preset (none), which must answer a request carrying tools as plain chat. Beside
+them, the JSON checkpoint (the tiny demo model's vocabulary, logits leaning to JSON
+punctuation and EOS) answers the schema corpus (tests/data/structured) under
+`response_format`, streamed and not, and every function schema as a forced tool call.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.e2e.harness import ArchiveSpec, attach_logs_fixture, build_store, running_server
-from tests.scripted_checkpoint import build_scripted_checkpoint
+from tests.scripted_checkpoint import build_json_checkpoint, build_scripted_checkpoint
+from tests.structured_walk import corpus, corpus_tools
 
 pytestmark = pytest.mark.e2e
-TOOLS_MODEL, PLAIN_MODEL = "scripted-tools", "scripted-plain"
+TOOLS_MODEL, PLAIN_MODEL, JSON_MODEL = "scripted-tools", "scripted-plain", "scripted-json"
+#: the JSON model serves the corpus: named tools' prompts hold one schema each
+JSON_HANDLER = {"max_length": 2048, "max_new_tokens_limit": 200, "threads": 1,
+                "chat_template": "", "batch_size": 8}
 HANDLER = {"max_length": 256, "max_new_tokens_limit": 64, "threads": 1, "chat_template": ""}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -34,7 +44,10 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     store = build_store(root, checkpoint, [
         ArchiveSpec(TOOLS_MODEL, handler=HANDLER),
         ArchiveSpec(PLAIN_MODEL, handler={**HANDLER, "chat_template": "llama-2"})])
-    with running_server(store, root / "run", [TOOLS_MODEL, PLAIN_MODEL], openai_port=0) as srv:
+    build_store(root, build_json_checkpoint(root / "json"),  # the same store
+                [ArchiveSpec(JSON_MODEL, handler=JSON_HANDLER)])
+    with running_server(store, root / "run", [TOOLS_MODEL, PLAIN_MODEL, JSON_MODEL],
+                        openai_port=0) as srv:
         yield srv
 
 
@@ -118,14 +131,14 @@ def test_a_budget_over_the_limit_is_capped_for_a_chat_uis_title_request(server) 
 
 
 def test_one_base_url_lists_every_model_and_chats_with_each(server) -> None:
-    """The router `serve` starts: GET /v1/models lists both, `model` routes each chat, the
+    """The router `serve` starts: GET /v1/models lists them all, `model` routes each chat, the
     same token is checked by TorchServe itself."""
     from openai import AuthenticationError, OpenAI
 
     assert server.openai_url.endswith("/v1")
     openai = OpenAI(base_url=server.openai_url, api_key=server.inference_token, max_retries=0,
                     timeout=60)
-    assert sorted(m.id for m in openai.models.list()) == [PLAIN_MODEL, TOOLS_MODEL]
+    assert sorted(m.id for m in openai.models.list()) == [JSON_MODEL, PLAIN_MODEL, TOOLS_MODEL]
     plain = openai.chat.completions.create(model=PLAIN_MODEL, messages=ASK, temperature=0)
     assert plain.choices[0].message.content == "Hello from a plain chat."
     stream = openai.chat.completions.create(model=TOOLS_MODEL, messages=ASK, tools=[WEATHER],
@@ -142,3 +155,133 @@ def test_scripted_checkpoint_is_a_plain_llama(tmp_path: Path) -> None:
     out = build_scripted_checkpoint(tmp_path / "s")
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     assert "tools" in json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+
+
+# --- structured outputs: the corpus through the JSON model ---
+
+CORPUS = corpus()["schemas"]
+FUNCTIONS, FUNCTION_TOOLS = corpus_tools()
+#: sampled (as the corpus' unit tests' stand-in model samples): a greedy model of constant
+#: logits would repeat its best token inside a string forever
+SAMPLED = {"temperature": 1.0, "seed": 1, "max_tokens": 200}
+
+
+def _structured(server, i: int, entry: dict) -> tuple[str, str]:
+    """(finish_reason, text) of one corpus schema's chat answer; odd ones streamed, as
+    `inf2serve chat` reads them."""
+    response_format = {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": entry["schema"], "strict": True}}
+    openai = client(server, JSON_MODEL)
+    ask = [{"role": "user", "content": f"Answer as JSON: {entry['id']}"}]
+    if i % 2 == 0:
+        answer = openai.chat.completions.create(model=JSON_MODEL, messages=ask,
+                                                response_format=response_format, **SAMPLED)
+        return answer.choices[0].finish_reason, answer.choices[0].message.content
+    text, reasons = "", []
+    for chunk in openai.chat.completions.create(model=JSON_MODEL, messages=ask, stream=True,
+                                                response_format=response_format, **SAMPLED):
+        text += chunk.choices[0].delta.content or ""
+        reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    (reason,) = reasons
+    return reason, text
+
+
+def test_every_corpus_schema_answers_json_that_validates(server) -> None:
+    """Each of the corpus' schemas as a strict json_schema response_format (half streamed):
+    every answer that ends with "stop" parses and validates; one cut by max_tokens is
+    "length" (25 of 69 end within 200 tokens at seed 1: the JSON model's strings run long)."""
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda a: _structured(server, *a), enumerate(CORPUS)))
+    for entry, (reason, text) in zip(CORPUS, answers, strict=True):
+        assert reason in ("stop", "length"), (entry["id"], reason)
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), entry["schema"])
+    stopped = sum(reason == "stop" for reason, _ in answers)
+    assert stopped >= len(CORPUS) // 4, [(e["id"], r) for e, (r, _) in zip(
+        CORPUS, answers, strict=True)]
+
+
+def test_json_object_on_completions_and_native_and_a_400_naming_the_schema(server) -> None:
+    openai = client(server, JSON_MODEL)
+    done = openai.completions.create(model=JSON_MODEL, prompt="Some JSON:",
+                                     extra_body={"response_format": {"type": "json_object"}},
+                                     **SAMPLED)
+    # an object of any keys may run past the budget: "length", a prefix of one
+    assert done.choices[0].finish_reason in ("stop", "length")
+    if done.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(done.choices[0].text), dict)
+    assert done.choices[0].text.startswith("{")
+    native = httpx.post(f"{server.inference_url}/predictions/{JSON_MODEL}",
+                        json={"prompt": "Some JSON:", "stream": False, "temperature": 1.0,
+                              "seed": 2, "response_format": {"type": "json_object"}},
+                        headers={"Authorization": f"Bearer {server.inference_token}"},
+                        timeout=60)
+    assert native.status_code == 200, native.text
+    answer = native.json()
+    if answer["finish_reason"] == "stop":
+        assert isinstance(json.loads(answer["text"]), dict)
+    assert answer["text"].startswith("{")
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as info:  # llguidance refuses an unknown format
+        openai.chat.completions.create(model=JSON_MODEL, messages=ASK, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+                "type": "object", "properties": {"a": {"type": "string", "format": "ipv7"}}}}})
+    assert info.value.body["param"] == "response_format.json_schema"
+
+
+def _named_call(server, entry: dict) -> tuple[str, list]:
+    answer = client(server, JSON_MODEL).chat.completions.create(
+        model=JSON_MODEL, messages=ASK, tools=FUNCTION_TOOLS,
+        tool_choice={"type": "function", "function": {"name": entry["name"]}}, **SAMPLED)
+    choice = answer.choices[0]
+    return choice.finish_reason, choice.message.tool_calls or []
+
+
+def test_a_named_function_of_the_corpus_is_called_with_valid_arguments(server) -> None:
+    """Every function schema of the corpus, forced by name: the answer is a call of it whose
+    arguments validate, finish_reason "tool_calls" (or "length" if cut)."""
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda e: _named_call(server, e), FUNCTIONS))
+    for entry, (reason, calls) in zip(FUNCTIONS, answers, strict=True):
+        assert reason in ("tool_calls", "length"), (entry["id"], reason)
+        if reason == "tool_calls":
+            (call,) = calls
+            assert call.function.name == entry["name"]
+            jsonschema.validate(json.loads(call.function.arguments), entry["schema"])
+    assert sum(r == "tool_calls" for r, _ in answers) >= len(FUNCTIONS) // 4
+
+
+#: the corpus' smallest function schemas, offered in pairs to `required`
+SMALL = sorted(FUNCTION_TOOLS, key=lambda t: len(json.dumps(t["function"]["parameters"])))[:8]
+
+
+def _required_streamed(server, tools: list) -> tuple[list, dict]:
+    stream = client(server, JSON_MODEL).chat.completions.create(
+        model=JSON_MODEL, messages=ASK, tools=tools, tool_choice="required", stream=True,
+        **SAMPLED)
+    calls: dict[int, list] = {}
+    reasons = []
+    for chunk in stream:
+        for call in chunk.choices[0].delta.tool_calls or ():
+            calls.setdefault(call.index, [None, ""])
+            calls[call.index][0] = call.function.name or calls[call.index][0]
+            calls[call.index][1] += call.function.arguments or ""
+        reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    return reasons, calls
+
+
+def test_required_streams_calls_of_the_offered_functions(server) -> None:
+    """`required` over pairs of functions, streamed: each answer that ends is calls of the
+    offered functions with valid arguments, "tool_calls"; one cut is "length"."""
+    pairs = [SMALL[i:i + 2] for i in range(0, len(SMALL), 2)]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda tools: _required_streamed(server, tools), pairs))
+    for tools, (reasons, calls) in zip(pairs, answers, strict=True):
+        assert reasons in (["tool_calls"], ["length"]), reasons
+        if reasons == ["tool_calls"]:
+            schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+            assert calls
+            for name, arguments in calls.values():
+                jsonschema.validate(json.loads(arguments), schemas[name])
+    assert any(reasons == ["tool_calls"] for reasons, _ in answers)
