@@ -9,11 +9,18 @@ Requests arriving meanwhile wait for it, up to handler.max_queue; if it fails to
 they get a 503 and the worker keeps retrying with a growing pause.
 
 A process can also stop without dying: SIGSTOP, a wedged runtime, a device call that
-never returns. Its heartbeat (handlers/engine/messages.Heartbeat, every HEARTBEAT_S
-from its own thread) says how long the engine has been in its current step; while the
-worker has requests there, a process silent for SILENT_S, or whose step has run past
-handler.step_timeout_s, is killed and handled as a death: its requests are answered
-with a 500 and it restarts.
+never returns. It sends a heartbeat (handlers/engine/messages.Heartbeat) every
+HEARTBEAT_S from its own thread, and puts the start of each engine step on the shared
+board (handlers/engine/board.py); while the worker has requests there, a process whose
+step has run past handler.step_timeout_s, or that has been silent for SILENT_S while
+stopped (/proc state T) or outside a step, is killed and handled as a death: its
+requests are answered with a 500 and it restarts. A step that holds the GIL silences
+the heartbeat but not the board: only the step timeout bounds it.
+
+A request sent in the moments after the process died -- before the pipe closes, which
+waits for the kernel to tear the process down -- never reached it: the board counts the
+requests the process read, and those past that count wait for the next process instead
+of failing.
 
 The worker keeps each request it sent as the `EngineRequest` it sent and the sink it
 answers to: enough to send it again or answer for it. It builds no engine `Sequence`;
@@ -33,19 +40,21 @@ daemonic process may not have children.
 NeuronCores are claimed here, by the worker, for its whole life; the engine process
 runs on that block and a restart gets it back (no other worker can take it meanwhile).
 
-The worker can die too. `hand_over` gives each engine process a duplicate of TorchServe's
-socket, and each request goes with its `LastWords` (set in `LAST_WORDS` around `submit`):
-when the worker dies, the engine process answers for it on that socket
-(handlers/engine/process.Farewell), then exits.
+The worker can die too. `hand_over` starts its guardian (handlers/engine/guardian.py), a
+small process holding a duplicate of TorchServe's socket, and notes there each request's
+`LastWords` (set in `LAST_WORDS` around `submit`), its first text and its end as they
+reach this process, before they can reach the frontend: when the worker dies, the
+guardian answers for it on that socket. The engine process dies with the worker
+(handlers/engine/process.die_with_parent).
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import threading
@@ -53,22 +62,23 @@ import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from multiprocessing.reduction import send_handle
 from pathlib import Path
 
 from handlers.backends.base import Backend
 from handlers.backends.neuron_cores import CoreClaim, available_cores, claim_cores
 from handlers.config import ModelConfig
 from handlers.engine import process as engine_process
-from handlers.engine.core import Observer, QueueSink
+from handlers.engine.board import Board, CountedWrites
+from handlers.engine.core import Observer, deliver
+from handlers.engine.guardian import Guardian
 from handlers.engine.messages import (
     SILENT_S,
     Cancel,
     EngineRequest,
     FromEngine,
-    FrontendSocket,
     Heartbeat,
     LastWords,
     LoadFailed,
@@ -102,7 +112,14 @@ class _Request:
     request: EngineRequest
     sink: Sink
     sent_to: int | None = None  # the engine process (incarnation) it went to; None: waiting
-    last_words: LastWords | None = None  # sent with it, where the socket was handed over
+    #: its place among the requests sent to that process (1, 2...), against Board.received
+    number: int = 0
+    last_words: LastWords | None = None  # noted with the guardian, where there is one
+    spoken: bool = False  # the guardian knows some of its text reached this process
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 class EngineClient:
@@ -126,13 +143,17 @@ class EngineClient:
         #: why requests get a 503 now (a restart failed); None while they can be taken
         self.down: str | None = None
         self._stopping = threading.Event()
-        # the watchdog's (the supervising thread's own): when the process was last heard
-        # from, and how long its engine had then been in one step
+        # the watchdog's (the supervising thread's own): when the process was last heard from
         self._heard = time.monotonic()
-        self._busy_s = 0.0
         self._step_timeout_s = spec.config.handler.effective_step_timeout_s
-        #: TorchServe's socket and closing message, once handed over (`hand_over`)
-        self._frontend: tuple[socket.socket, bytes] | None = None
+        #: what the engine process, this worker and its guardian read of one another
+        self._board = Board()
+        #: requests sent to the process on `_numbering` (both under _send_lock)
+        self._sent = 0
+        self._numbering: Connection | None = None
+        self._taken = 0  # its step messages taken in (the supervising thread's)
+        #: answers for this worker if it dies, once TorchServe's socket is handed over
+        self._guardian: Guardian | None = None
 
     @classmethod
     def start(cls, config: ModelConfig, model_dir: Path, observer: Observer | None = None,
@@ -175,11 +196,14 @@ class EngineClient:
             words = LAST_WORDS.get()
             if words is not None and words.request_id != request.request_id:
                 words = None
-            entry = self._requests[request.request_id] = _Request(request, sink,
-                                                                  last_words=words)
+            guardian = self._guardian if words is not None else None
+            entry = self._requests[request.request_id] = _Request(
+                request, sink, last_words=words if guardian is not None else None)
             conn = self._conn
             if conn is not None:
                 entry.sent_to = self._incarnation
+        if guardian is not None:  # before anything of it can reach the frontend
+            guardian.expect(words)
         if conn is not None:
             self._send_request(conn, entry)
 
@@ -191,21 +215,30 @@ class EngineClient:
             if entry.sent_to is None:  # still waiting for a restarted process
                 del self._requests[request_id]
             conn = self._conn if entry.sent_to == self._incarnation else None
+        self._forget(entry)  # the worker may end it itself now
         if entry.sent_to is None:
             _emit(entry, ErrorEvent(499, "cancelled"))
         elif conn is not None:  # else the dead process's requests are being answered
             self._send(conn, Cancel(request_id))
 
-    def hand_over(self, sock: socket.socket, closing: bytes) -> None:
-        """Give this engine process, and each one after it, a duplicate of TorchServe's socket
-        to the frontend: if the worker dies, the engine process answers its requests there
-        (their `LastWords`, then `closing`) and closes it. Only once the worker is gone: while
-        it lives, it alone writes."""
+    def hand_over(self, sock: socket.socket, closing: bytes) -> CountedWrites | None:
+        """Start this worker's guardian with a duplicate of TorchServe's socket to the
+        frontend: if the worker dies, it answers the worker's requests there (their
+        `LastWords`, then `closing`) and closes it; while the worker lives, it alone writes.
+        Returns the socket to write through from now on (each write counted on the board:
+        the guardian must not add to a message the worker died writing), or None where no
+        guardian could start."""
+        try:
+            guardian = Guardian.start(sock, closing, self._board)
+        except OSError:
+            logger.exception("starting the guardian failed: if this worker dies, nobody "
+                             "answers its requests")
+            return None
         with self._lock:
-            self._frontend = (sock, closing)
-            conn, proc = self._conn, self._proc
-        if conn is not None:
-            self._send_socket(conn, proc.pid, self._frontend)
+            self._guardian = guardian
+        logger.info("guardian %d started: it answers for this worker if it dies",
+                    guardian.proc.pid)
+        return CountedWrites(sock, self._board)
 
     def stop(self, timeout_s: float = 10) -> None:
         """Stop the engine process; requests still in flight get a 503."""
@@ -213,7 +246,9 @@ class EngineClient:
             return
         self._stopping.set()
         with self._lock:
-            conn, proc = self._conn, self._proc
+            conn, proc, guardian = self._conn, self._proc, self._guardian
+        if guardian is not None:
+            guardian.stand_down()
         if conn is not None:
             self._send(conn, Stop())
         if proc is not None:
@@ -226,12 +261,22 @@ class EngineClient:
         if self._claim is not None:
             self._claim.release()
 
+    def _forget(self, entry: _Request) -> None:
+        """The request is the worker's to end: out of the guardian's book first."""
+        if entry.last_words is not None:
+            entry.last_words = None
+            self._guardian.forget(entry.request_id)
+
     # -- the engine process -----------------------------------------------------------
     def _launch(self) -> None:
         """Start an engine process, wait for its model, send it the requests that waited."""
         ctx = multiprocessing.get_context("spawn")
         conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=engine_process.main, args=(child_conn, self.spec),
+        self._board.new_engine()  # the last process is gone: its numbers start again
+        # started from a thread that lives as long as this worker (this one at first, the
+        # supervising thread on restarts): the process dies with that thread
+        proc = ctx.Process(target=engine_process.main,
+                           args=(child_conn, self.spec, self._board, os.getpid()),
                            name="inf2serve-engine")
         proc.start()
         child_conn.close()  # else this process keeps the pipe open and never sees it close
@@ -247,16 +292,13 @@ class EngineClient:
                     f"raised in the engine process {proc.pid}:\n{message.traceback}")
             raise EngineProcessError(f"the engine process {proc.pid} {reason} before the "
                                      "model was loaded; its log lines are above")
-        self._heard, self._busy_s = time.monotonic(), 0.0  # a new process: heard just now
+        self._heard, self._taken = time.monotonic(), 0  # a new process: heard just now
         with self._lock:
             self._incarnation += 1
             self._proc, self._conn, self.limits, self.pid = proc, conn, message.limits, proc.pid
             waiting = [r for r in self._requests.values() if r.sent_to is None]
             for entry in waiting:
                 entry.sent_to = self._incarnation
-            frontend = self._frontend
-        if frontend is not None:  # before the requests, so their last words are kept
-            self._send_socket(conn, proc.pid, frontend)
         for entry in waiting:
             self._send_request(conn, entry)
 
@@ -270,7 +312,7 @@ class EngineClient:
             hung = None
             if message is _IDLE or type(message) is Heartbeat:
                 if type(message) is Heartbeat:
-                    self._heard, self._busy_s = time.monotonic(), message.busy_s
+                    self._heard = time.monotonic()
                 hung = self._hung(time.monotonic())
                 if hung is None:
                     continue
@@ -286,18 +328,24 @@ class EngineClient:
                 self._restart()
 
     def _hung(self, now: float) -> str | None:
-        """Why the engine process counts as hung, or None: only while it holds requests."""
+        """Why the engine process counts as hung, or None: only while it holds requests.
+
+        A step is bounded by handler.step_timeout_s alone, read from the board, which the
+        engine thread writes itself: a step that holds the GIL silences the process's
+        heartbeat thread, so silence counts only while the process is stopped or outside
+        a step."""
         with self._lock:
             holding = any(r.sent_to == self._incarnation for r in self._requests.values())
         if not holding:
             return None
+        since = self._board.step_since
+        if since and now - since > self._step_timeout_s:
+            return (f"spent {now - since:.0f}s in one step, past handler.step_timeout_s "
+                    f"{self._step_timeout_s:g}")
         silent = now - self._heard
-        if silent > SILENT_S:
+        if silent > SILENT_S and (not since or engine_process.process_state(self.pid) == "T"):
             return (f"sent nothing for {silent:.1f}s (stopped or wedged; a live one says so "
                     "every second)")
-        if self._busy_s > self._step_timeout_s:
-            return (f"spent {self._busy_s:.0f}s in one step, past handler.step_timeout_s "
-                    f"{self._step_timeout_s:g}")
         return None
 
     def _deliver(self, message: FromEngine) -> None:
@@ -311,21 +359,40 @@ class EngineClient:
 
     def _deliver_step(self, step: StepOutputs) -> None:
         """A step's events to their requests, texts before the last events (a request's
-        text of this step precedes its end): one wake-up per event loop, not per event."""
+        text of this step precedes its end): one wake-up per event loop, not per event.
+        The guardian hears first what changes its book: a request's first text, its end.
+        Once the loop has them, the board says this step was taken in."""
+        self._taken += 1
         out: list[tuple[_Request, Event]] = []
+        spoken: list[tuple[str, str, int]] = []
+        ended: list[tuple[str, None]] = []
         with self._lock:
             requests = self._requests
-            for request_id, text, tokens in step.texts:
-                entry = requests.get(request_id)
+            for item in step.texts:
+                entry = requests.get(item[0])
                 if entry is not None:  # else answered already (the process died, a stop)
-                    out.append((entry, TextEvent(text, tokens)))
+                    out.append((entry, TextEvent(item[1], item[2])))
+                    if (not entry.spoken and entry.last_words is not None
+                            and entry.last_words.spoken is not None and item[1]):
+                        entry.spoken = True
+                        spoken.append(item)
             for request_id, event in step.finals:
                 entry = requests.pop(request_id, None)
                 if entry is not None:
                     out.append((entry, event))
-        _deliver_all(out)
+                    if entry.last_words is not None:
+                        ended.append((request_id, None))
+            guardian = self._guardian
+        if spoken or ended:
+            guardian.sent(spoken, ended)
+        deliver(out, partial(self._took, self._incarnation, self._taken))
         for observation in step.observations:
             self._observe(*observation)
+
+    def _took(self, incarnation: int, taken: int) -> None:
+        """A step message's events are in the loop: the engine process sees it read."""
+        if incarnation == self._incarnation:
+            self._board.cells[Board.TAKEN] = taken
 
     def _died(self, proc: BaseProcess, hung: str | None = None) -> None:
         if hung is not None:  # a stopped process cannot exit: kill it, then it is a death
@@ -334,16 +401,25 @@ class EngineClient:
         reason = _stop_process(proc)
         if hung is not None:
             reason = f"hung ({hung})"
-        with self._lock:
-            lost = [r for r in self._requests.values() if r.sent_to == self._incarnation]
+        received = self._board.received  # requests the process read: the others never
+        with self._lock:                  # reached it, and wait for the next one
+            lost, unread = [], []
+            for entry in self._requests.values():
+                if entry.sent_to == self._incarnation:
+                    (lost if entry.number <= received else unread).append(entry)
             for entry in lost:
                 del self._requests[entry.request.request_id]
+            for entry in unread:
+                entry.sent_to = None
             self._conn.close()
             self._conn = None
-        logger.error("engine process %d %s: answering its %d request(s) and restarting it",
-                     proc.pid, reason, len(lost))
+        logger.error("engine process %d %s: answering its %d request(s) and restarting it%s",
+                     proc.pid, reason, len(lost), f"; {len(unread)} it never read wait for "
+                     "the next one" if unread else "")
         message = f"the model process {reason}; it is being restarted, retry the request"
         now = time.monotonic()
+        for entry in lost:
+            self._forget(entry)
         for entry in lost:
             _emit(entry, ErrorEvent(500, message))
             # its end, for the metrics: an error (what it got before is not known here)
@@ -387,23 +463,14 @@ class EngineClient:
                 pass
 
     def _send_request(self, conn: Connection, entry: _Request) -> None:
-        """The request, after its last words (one lock: nothing comes between them)."""
+        """The request, numbered in the order the process reads them (`Board.received`)."""
         with self._send_lock:
+            if conn is not self._numbering:
+                self._numbering, self._sent = conn, 0
+            self._sent += 1
+            entry.number = self._sent
             try:
-                if entry.last_words is not None:
-                    conn.send(entry.last_words)
                 conn.send(entry.request)
-            except OSError:  # the process died: the reader answers for it
-                pass
-
-    def _send_socket(self, conn: Connection, pid: int,
-                     frontend: tuple[socket.socket, bytes]) -> None:
-        """`FrontendSocket`, then the socket's fd itself (SCM_RIGHTS), nothing between."""
-        sock, closing = frontend
-        with self._send_lock:
-            try:
-                conn.send(FrontendSocket(closing))
-                send_handle(conn, sock.fileno(), pid)
             except OSError:  # the process died: the reader answers for it
                 pass
 
@@ -456,24 +523,5 @@ def _stop_process(proc: BaseProcess, timeout_s: float = 2) -> str:
     return f"exited with code {code}"
 
 
-def _deliver_all(items: list[tuple[_Request, Event]]) -> None:
-    """Events to their requests' sinks, in order; QueueSinks grouped by event loop, so a
-    step wakes each loop once (handlers/engine.deliver does the same for sequences)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[QueueSink, Event]]] = {}
-    for entry, event in items:
-        if isinstance(entry.sink, QueueSink):
-            by_loop.setdefault(entry.sink.loop, []).append((entry.sink, event))
-        else:
-            _emit(entry, event)
-    for loop, group in by_loop.items():
-        try:
-            QueueSink.put_all(loop, group)
-        except RuntimeError:  # its loop is closed: nobody is left to read these
-            logger.warning("dropped %d events for a closed event loop", len(group))
-
-
 def _emit(entry: _Request, event: Event) -> None:
-    try:
-        entry.sink(event)
-    except Exception:  # a broken sink must not stop other requests
-        logger.exception("sink of request %s failed", entry.request.request_id)
+    deliver([(entry, event)])

@@ -43,13 +43,13 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from handlers.backends.base import Backend, Rows
 from handlers.engine.grammar_gate import GrammarGate
-from handlers.engine.scheduler import ErrorEvent, Event, Scheduler, Sequence, TextEvent
+from handlers.engine.scheduler import ErrorEvent, Event, Scheduler, Sequence, Sink, TextEvent
 from handlers.telemetry.catalog import Finished, SpecDecode
 
 logger = logging.getLogger(__name__)
@@ -595,14 +595,18 @@ class QueueSink:
             self.queue.put_nowait(event)
 
     @staticmethod
-    def put_all(loop: asyncio.AbstractEventLoop, items: list[tuple[QueueSink, Event]]) -> None:
-        """Events for sinks of `loop`, delivered in one wake-up of the loop, in order."""
+    def put_all(loop: asyncio.AbstractEventLoop, items: list[tuple[QueueSink, Event]],
+                after: Callable[[], None] | None = None) -> None:
+        """Events for sinks of `loop`, delivered in one wake-up of the loop, in order;
+        then `after()`, on the loop's thread."""
         def put() -> None:
             for sink, event in items:
                 try:
                     sink.put(event)
                 except Exception:  # one request's failure must not cost the others theirs
                     logger.exception("delivering an event failed")
+            if after is not None:
+                after()
 
         loop.call_soon_threadsafe(put)
 
@@ -615,23 +619,38 @@ def _grammars(seqs: list[Sequence]) -> tuple[list, ...]:
     return ([s.grammar for s in seqs],)
 
 
-def deliver(events: list[tuple[Sequence, Event]]) -> None:
-    """Events to their sequences' sinks, in order; QueueSinks grouped by event loop."""
+class Addressee(Protocol):
+    """Whatever carries a request's sink: the engine's `Sequence`, the worker's entry for a
+    request in the engine process (handlers/engine/client.py)."""
+
+    request_id: str
+    sink: Sink
+
+
+def deliver(events: Iterable[tuple[Addressee, Event]],
+            after: Callable[[], None] | None = None) -> None:
+    """Events to their requests' sinks, in order; QueueSinks grouped by event loop, so a
+    step wakes each loop once. `after()` runs once those events are in (on each loop's
+    thread, after its events; here if no loop had any)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[QueueSink, Event]]] = {}
-    for seq, event in events:
-        if isinstance(seq.sink, QueueSink):
-            by_loop.setdefault(seq.sink.loop, []).append((seq.sink, event))
+    for to, event in events:
+        if isinstance(to.sink, QueueSink):
+            by_loop.setdefault(to.sink.loop, []).append((to.sink, event))
         else:
-            _emit(seq, event)
+            _emit(to, event)
+    handed = False
     for loop, items in by_loop.items():
         try:
-            QueueSink.put_all(loop, items)
+            QueueSink.put_all(loop, items, after)
+            handed = True
         except RuntimeError:  # its loop is closed: nobody is left to read these
             logger.warning("dropped %d events for a closed event loop", len(items))
+    if after is not None and not handed:
+        after()
 
 
-def _emit(seq: Sequence, event: Event) -> None:
+def _emit(to: Addressee, event: Event) -> None:
     try:
-        seq.sink(event)
+        to.sink(event)
     except Exception:  # a broken sink must not stop other requests
-        logger.exception("sink of request %s failed", seq.request_id)
+        logger.exception("sink of request %s failed", to.request_id)

@@ -69,22 +69,13 @@ class Stop:
     """Stop the engine; the engine process exits after it."""
 
 
-@dataclass(frozen=True)
-class FrontendSocket:
-    """TorchServe's socket to the frontend follows this message on the pipe (a duplicate fd,
-    SCM_RIGHTS: multiprocessing.reduction.send_handle). The engine process never touches it
-    while the worker lives; once the worker is gone (the pipe closed) it writes each
-    request's `LastWords`, then `closing`, and closes it: the frontend answers what was in
-    flight and restarts the worker, which otherwise nobody would (docs/design.md)."""
-
-    closing: bytes  # a TorchServe message that errors every request still in flight
-
+# -- worker -> guardian (handlers/engine/guardian.py) --------------------------------
 
 @dataclass(frozen=True)
 class LastWords:
-    """What the engine process writes to TorchServe for one request if the worker dies:
-    whole TorchServe messages the worker encoded (the engine process knows no framing).
-    Sent just before the request's `EngineRequest`."""
+    """What the guardian writes to TorchServe for one request if the worker dies: whole
+    TorchServe messages the worker encoded (the guardian knows no framing). The worker
+    notes them before anything of the request can reach the frontend."""
 
     request_id: str
     silent: bytes  # while none of its text has gone out: its whole answer, a 500
@@ -113,15 +104,15 @@ class LoadFailed:
 @dataclass(frozen=True)
 class Heartbeat:
     """Sent every HEARTBEAT_S from its own thread while the process serves: the worker's
-    watchdog hears the process is alive (a stopped or wedged one falls silent) and how
-    long its engine has been inside the current step (a stuck device call)."""
-
-    busy_s: float  # seconds the engine has spent in its current step; 0 between steps
+    watchdog hears the process is alive (a stopped one falls silent). How long the engine
+    has been in its current step is on the shared board (handlers/engine/board.py): a
+    step that holds the GIL silences this thread, not the board."""
 
 
 #: seconds between heartbeats
 HEARTBEAT_S = 1.0
-#: a process with requests that has sent nothing for this long is stopped or wedged
+#: a process with requests that has sent nothing for this long, while it is stopped or
+#: outside a step, is stopped or wedged
 SILENT_S = 3.0
 
 
@@ -146,7 +137,7 @@ class StepOutputs:
     observations: list[Observation] = field(default_factory=list)
 
 
-ToEngine = EngineRequest | Cancel | Stop | FrontendSocket | LastWords
+ToEngine = EngineRequest | Cancel | Stop
 FromEngine = Ready | LoadFailed | StepOutputs | Heartbeat
 
 

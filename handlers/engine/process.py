@@ -13,36 +13,39 @@ engine step -- every event and metric observation of the step in one message (vL
 engine core batches its outputs the same way), the text events as plain fields.
 Detokenization and stop strings stay with the sequence, here.
 
-When the worker itself dies, this process answers for it (`Farewell`): the worker hands
-it a duplicate of TorchServe's socket and, with each request, the TorchServe messages
-that answer it with a 500; once the pipe closes they go out, and the socket is closed.
+What the worker must know even while a step holds the GIL -- when the step began, how
+many requests arrived -- goes on the shared board (handlers/engine/board.py), written
+from the engine's own threads. This process dies with its worker (PR_SET_PDEATHSIG), so
+an orphan never keeps the NeuronCores; answering the dead worker's requests is its
+guardian's job (handlers/engine/guardian.py), which no step here can block. And it
+watches its worker: one stopped (SIGSTOP), or live but not reading this process's
+results, while requests are in flight, is killed, so that the guardian answers them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
+from handlers.engine.board import Board
 from handlers.engine.core import Engine
 from handlers.engine.messages import (
     HEARTBEAT_S,
     Cancel,
     EngineRequest,
     FinalItem,
-    FrontendSocket,
     Heartbeat,
-    LastWords,
     LoadFailed,
     Observation,
     Ready,
@@ -56,119 +59,43 @@ from handlers.errors import CapacityError
 
 logger = logging.getLogger(__name__)
 
-#: how long the last words may take to write: a frontend that reads nothing gets no more
-SAY_TIMEOUT_S = 2.0
-#: a worker stopped (SIGSTOP) this long while it has requests is killed, so that this
-#: process answers them (watch_worker); polled every WORKER_CHECK_S
+#: a worker stopped (SIGSTOP) this long while it has requests is killed, so that its
+#: guardian answers them (watch_worker); polled every WORKER_CHECK_S
 WORKER_STOPPED_S = 2.0
 WORKER_CHECK_S = 0.25
+#: a live worker that has left this process's step messages unread this long, while it
+#: has requests here and is not waiting on the frontend (a write in progress), is taken
+#: for deadlocked and killed the same way
+WORKER_UNREAD_S = 5.0
+#: linux/prctl.h
+_PR_SET_PDEATHSIG = 1
 
 
-class Farewell:
-    """What this process says on TorchServe's socket when the worker dies.
-
-    A TorchServe 0.12 frontend notices a worker's death only when the worker's socket
-    closes, and then answers none of the requests it had sent there: they stay in its
-    in-flight map (pytorch/serve@v0.12.0:frontend/server/src/main/java/org/pytorch/serve/
-    wlm/AsyncWorkerThread.java:129-153, :187-200). Holding a duplicate of that socket, this
-    process keeps it open past the worker's death; once the pipe closes (the worker is gone,
-    so nobody else writes) it writes each of its requests' `LastWords` -- the in-band error
-    if some of its text reached the worker, else the whole 500 -- then the worker's
-    closing message, which errors every other request in the frontend's map (one the worker
-    was still preparing, or whose end it had not yet written), and closes the socket: the
-    frontend restarts the worker. A request leaves the book when its last event reaches
-    the pipe or the worker cancels it: after that the worker may have ended it, and the
-    frontend fails on an answer for a request it no longer has (AsyncBatchAggregator.java:
-    92-97) -- the closing message covers those.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # held while the words go out: the process exits after
-        self._sock: socket.socket | None = None
-        self._closing = b""
-        self._words: dict[str, LastWords] = {}
-        self._spoken: set[str] = set()  # requests some of whose text reached the pipe
-
-    def arm(self, sock: socket.socket, closing: bytes) -> None:
-        with self._lock:
-            old, self._sock, self._closing = self._sock, sock, closing
-        if old is not None:
-            old.close()
-
-    def expect(self, words: LastWords) -> None:
-        with self._lock:
-            if self._sock is not None:
-                self._words[words.request_id] = words
-
+class WorkerBook(Protocol):
     def holds_requests(self) -> bool:
-        """Armed, with requests it would answer for: a stopped worker is worth killing."""
-        return self._sock is not None and bool(self._words)
-
-    def forget(self, request_id: str) -> None:
-        with self._lock:
-            self._words.pop(request_id, None)
-            self._spoken.discard(request_id)
-
-    def sent(self, texts: list[TextItem], finals: list[FinalItem]) -> None:
-        """A step's events reached the pipe: their text may be on the frontend's wire, and
-        ended requests are the worker's to end."""
-        if not self._words:
-            return
-        with self._lock:
-            words, spoken = self._words, self._spoken
-            for request_id, text, _ in texts:
-                if text and request_id in words:
-                    spoken.add(request_id)
-            for request_id, _ in finals:
-                if words.pop(request_id, None) is not None:
-                    spoken.discard(request_id)
-
-    def say(self) -> None:
-        """The worker is gone: every request's last words, the closing message, the close."""
-        with self._lock:
-            sock, self._sock = self._sock, None
-            if sock is None:
-                return
-            spoken = self._spoken
-            answers = [w.spoken if w.spoken is not None and rid in spoken else w.silent
-                       for rid, w in self._words.items()]
-            try:
-                sock.settimeout(SAY_TIMEOUT_S)
-                sock.sendall(b"".join([*answers, self._closing]))
-            except OSError as exc:  # the frontend went away too (a shutdown): nobody to tell
-                logger.error("engine process %d: writing to TorchServe failed: %s",
-                             os.getpid(), exc)
-                return
-            finally:
-                try:
-                    sock.shutdown(socket.SHUT_WR)  # the frontend sees the worker go now
-                except OSError:
-                    pass
-                sock.close()
-        logger.error("engine process %d: the TorchServe worker died; answered its %d "
-                     "request(s) here with a 500 and the frontend's others with its closing "
-                     "message, then closed its socket", os.getpid(), len(answers))
-
-
-def _worker_gone(farewell: Farewell) -> NoReturn:
-    """The pipe closed: the worker died (it closes it only after this process). Answer for
-    it where it handed over its socket, and exit: this process must not outlive it."""
-    farewell.say()
-    os._exit(0)
+        """Requests of the worker are in flight here: a stuck worker is worth killing."""
 
 
 class Outbox:
-    """Events and observations of the current step; `flush` sends them as one message."""
+    """Events and observations of the current step; `flush` sends them as one message.
 
-    def __init__(self, conn: Connection, farewell: Farewell | None = None) -> None:
+    It also keeps this process's side of the book on the worker: how many requests are in
+    flight here (`holds_requests`) and how many step messages went out (`sent`)."""
+
+    def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self.farewell = farewell or Farewell()
         self._lock = threading.Lock()
         self._texts: list[TextItem] = []
         self._finals: list[FinalItem] = []
         self._observations: list[Observation] = []
+        self._in_flight = 0
+        #: step messages sent to the worker, which counts those it takes in (`Board.taken`)
+        self.sent = 0
 
     def sink(self, request_id: str) -> Sink:
+        with self._lock:
+            self._in_flight += 1
+
         def put(event: Event) -> None:
             if type(event) is TextEvent:
                 text = (request_id, event.text, event.tokens)
@@ -178,6 +105,9 @@ class Outbox:
                 with self._lock:
                     self._finals.append((request_id, event))
         return put
+
+    def holds_requests(self) -> bool:
+        return self._in_flight > 0
 
     def observe(self, name: str, value: float, unit: str) -> None:
         with self._lock:
@@ -191,7 +121,7 @@ class Outbox:
                 return
             except OSError:  # the worker is gone
                 pass
-        _worker_gone(self.farewell)
+        _worker_gone()
 
     def flush(self) -> None:
         with self._lock:
@@ -201,32 +131,94 @@ class Outbox:
             self._texts, self._finals, self._observations = [], [], []
             try:  # under the lock: two threads flush (engine, commands); one send at a time
                 self._conn.send(message)
-            except OSError:  # the worker is gone: nobody is left to answer but the farewell
+            except OSError:  # the worker is gone
                 pass
             else:
-                self.farewell.sent(message.texts, message.finals)
+                self.sent += 1
+                self._in_flight -= len(message.finals)
                 return
-        _worker_gone(self.farewell)
+        _worker_gone()
 
 
-def main(conn: Connection, spec: EngineSpec) -> None:
+def _worker_gone() -> NoReturn:
+    """The pipe closed: the worker died (its guardian answers for it). This process must
+    not outlive it."""
+    os._exit(0)
+
+
+def _board_engine(board: Board) -> type[Engine]:
+    """The engine, its step's start also on the board: the worker reads it there, so a step
+    that holds the GIL (which starves this process's heartbeat) is told apart from a
+    stopped process, and only handler.step_timeout_s bounds it."""
+    cells = board.cells
+
+    class BoardEngine(Engine):
+        @property
+        def busy_since(self) -> float | None:
+            return self._busy_since
+
+        @busy_since.setter
+        def busy_since(self, value: float | None) -> None:
+            self._busy_since = value
+            cells[Board.STEP_SINCE] = value or 0.0
+
+    return BoardEngine
+
+
+def main(conn: Connection, spec: EngineSpec, board: Board | None = None,
+         worker_pid: int | None = None) -> None:
     """The process's entry point: load, say ready (or why not), then serve commands."""
     # the worker's own logging: TorchServe reads its stdout into the model log
     # (pytorch/serve@v0.12.0:ts/model_service_worker.py:282)
     logging.basicConfig(stream=sys.stdout, format="%(message)s", level=spec.log_level)
+    die_with_parent(worker_pid)
+    board = board or Board()
     outbox = Outbox(conn)
     try:
-        engine, tokenizer = start_engine(spec, outbox.observe, outbox.flush)
+        engine, tokenizer = start_engine(spec, outbox.observe, outbox.flush,
+                                         _board_engine(board))
     except BaseException as exc:
         logger.exception("engine process %d: loading the model failed", os.getpid())
         conn.send(LoadFailed(_portable(exc), traceback.format_exc()))
         return
     conn.send(Ready(model_limits(engine.backend)))
-    threading.Thread(target=heartbeat, args=(engine, outbox), name="inf2serve-heartbeat",
+    threading.Thread(target=heartbeat, args=(outbox,), name="inf2serve-heartbeat",
                      daemon=True).start()
-    threading.Thread(target=watch_worker, args=(outbox.farewell, os.getppid()),
+    threading.Thread(target=watch_worker,
+                     args=(outbox, os.getppid(), unread_by_worker(outbox, board)),
                      name="inf2serve-worker-watch", daemon=True).start()
-    serve(conn, engine, tokenizer, outbox)
+    serve(conn, engine, tokenizer, outbox, board)
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """SIGKILL this process when the thread that started it exits (Linux's
+    PR_SET_PDEATHSIG; its parent, the worker, starts it from a thread that lives as long
+    as the worker). Elsewhere, the pipe's end does it (`_worker_gone`)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    except (OSError, AttributeError) as exc:
+        logger.warning("engine process %d: it may outlive its worker: %s", os.getpid(), exc)
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:  # it died before the prctl
+        os._exit(0)
+
+
+def unread_by_worker(outbox: Outbox, board: Board) -> Callable[[], int | None]:
+    """For watch_worker: how many step messages the worker has taken in, while it has some
+    of ours unread and is not inside a write to the frontend (then it waits on TorchServe,
+    not on itself); None otherwise."""
+    cells = board.cells
+
+    def unread() -> int | None:
+        taken = cells[Board.TAKEN]
+        if taken >= outbox.sent or cells[Board.WRITES] != cells[Board.WRITTEN]:
+            return None
+        return int(taken)
+    return unread
 
 
 def process_state(pid: int) -> str | None:
@@ -239,68 +231,82 @@ def process_state(pid: int) -> str | None:
     return stat[stat.rindex(")") + 2:].split(" ", 1)[0]  # the name may hold spaces
 
 
-def watch_worker(farewell: Farewell, worker_pid: int) -> None:
-    """Kill the TorchServe worker when it is stopped (SIGSTOP: state T) for WORKER_STOPPED_S
-    while this process would answer for its requests; the worker's death then takes the
-    usual path (the pipe closes, `Farewell.say`), so its requests end with an error instead
-    of hanging. Its own thread, reading /proc only: the step and heartbeat threads block
-    once a stopped worker's pipe is full. A worker that is busy or idle is never T; one that
-    is stopped while idle is left alone (someone may be debugging it). A worker that hangs
-    while running (a deadlock) is not caught here."""
+def watch_worker(book: WorkerBook, worker_pid: int,
+                 unread: Callable[[], int | None] | None = None) -> None:
+    """Kill the TorchServe worker when, while requests of it are in flight here, it is
+    stopped (SIGSTOP: state T) for WORKER_STOPPED_S, or it is live but has not taken in
+    this process's step messages for WORKER_UNREAD_S (`unread`: what it has taken, while
+    some are waiting and it is not writing to the frontend; a deadlocked event loop, a
+    thread that holds its GIL for good). Its death then takes the usual path: its guardian
+    answers its requests, this process dies with it. Its own thread, reading /proc and the
+    board only: the step and heartbeat threads block once a stuck worker's pipe is full. A
+    worker that is busy or idle is never T; one that is stopped while idle is left alone
+    (someone may be debugging it)."""
     stopped_since: float | None = None
+    unread_mark: int | None = None
+    unread_since = 0.0
     while True:
         time.sleep(WORKER_CHECK_S)
         state = process_state(worker_pid)
         if state is None:
             return  # gone: the pipe's end tells serve()
-        if state != "T" or not farewell.holds_requests():
+        now = time.monotonic()
+        holds = book.holds_requests()
+        mark = unread() if unread is not None and holds else None
+        if mark is None or mark != unread_mark:
+            unread_mark, unread_since = mark, now
+        elif now - unread_since >= WORKER_UNREAD_S:
+            _kill_worker(worker_pid, f"has left this process's results unread for "
+                                     f"{now - unread_since:.1f}s with requests in flight "
+                                     "(deadlocked?)")
+            return
+        if state != "T" or not holds:
             stopped_since = None
             continue
-        now = time.monotonic()
         stopped_since = stopped_since or now
         if now - stopped_since >= WORKER_STOPPED_S:
-            logger.error("engine process %d: the TorchServe worker %d has been stopped for "
-                         "%.1fs with requests in flight; killing it so that they are "
-                         "answered here", os.getpid(), worker_pid, now - stopped_since)
-            try:
-                os.kill(worker_pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_worker(worker_pid, f"has been stopped for {now - stopped_since:.1f}s with "
+                                     "requests in flight")
             return
 
 
-def heartbeat(engine: Engine, outbox: Outbox) -> None:
-    """Tell the worker every HEARTBEAT_S that this process lives and how long the engine
-    has been in its current step. Its own thread: a step that never returns, or a process
-    that is stopped, is then told apart from a busy one (handlers/engine/client.py)."""
+def _kill_worker(worker_pid: int, why: str) -> None:
+    logger.error("engine process %d: the TorchServe worker %d %s; killing it so that its "
+                 "guardian answers them", os.getpid(), worker_pid, why)
+    try:
+        os.kill(worker_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def heartbeat(outbox: Outbox) -> None:
+    """Tell the worker every HEARTBEAT_S that this process lives. Its own thread: a stopped
+    process falls silent (a step that holds the GIL does too, but the board says it is in
+    a step: handlers/engine/client.py)."""
     while True:
         time.sleep(HEARTBEAT_S)
-        since = engine.busy_since
-        outbox.send(Heartbeat(0.0 if since is None else time.monotonic() - since))
+        outbox.send(Heartbeat())
 
 
-def serve(conn: Connection, engine: Engine, tokenizer, outbox: Outbox) -> None:
+def serve(conn: Connection, engine: Engine, tokenizer, outbox: Outbox,
+          board: Board | None = None) -> None:
     """Apply the worker's commands until it says stop or goes away."""
-    farewell = outbox.farewell
+    cells = (board or Board()).cells
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):  # the worker died: this process must not outlive it
-            _worker_gone(farewell)
+            _worker_gone()
         match message:
             case EngineRequest():
+                cells[Board.RECEIVED] += 1  # before anything of it can happen
                 sink = outbox.sink(message.request_id)
                 try:
                     engine.submit(build_sequence(message, sink, tokenizer))
                 except CapacityError as exc:
                     sink(ErrorEvent(503, str(exc), exc.retry_after_s))
             case Cancel():
-                farewell.forget(message.request_id)  # the worker may end it itself now
                 engine.cancel(message.request_id)
-            case LastWords():  # for the EngineRequest that follows
-                farewell.expect(message)
-            case FrontendSocket():  # its fd follows on the pipe
-                farewell.arm(socket.socket(fileno=recv_handle(conn)), message.closing)
             case Stop():
                 engine.stop()
                 return

@@ -56,9 +56,11 @@ def _sampling_group(seq: Sequence) -> Hashable | None:
 
 
 def start_engine(spec: EngineSpec, observer: Observer | None = None,
-                 after_step: Callable[[], None] | None = None) -> tuple[Engine, object]:
+                 after_step: Callable[[], None] | None = None,
+                 engine_class: type[Engine] = Engine) -> tuple[Engine, object]:
     """Tokenizer, backend (built, warmed up and run on the engine thread) and scheduler:
-    the model side, in the worker (inline) or in the engine process (child)."""
+    the model side, in the worker (inline) or in the engine process (child, whose engine
+    class also puts its step's start on the shared board)."""
     h = spec.config.handler
     start = time.monotonic()
     tokenizer = (spec.make_tokenizer or partial(load_tokenizer, spec.model_dir / h.checkpoint))()
@@ -73,7 +75,7 @@ def start_engine(spec: EngineSpec, observer: Observer | None = None,
         return backend, Scheduler(backend.batch_size, h.batching, h.effective_micro_batch_size,
                                   h.max_queue, h.batch_delay_ms / 1000, group)
 
-    engine = Engine.launch(build, observer, after_step)
+    engine = engine_class.launch(build, observer, after_step)
     grammar_compiler(engine, tokenizer)
     logger.info("model ready in %.1fs: backend=%s batching=%s slots=%d", time.monotonic() -
                 start, h.backend, h.batching, engine.backend.batch_size)

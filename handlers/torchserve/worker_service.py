@@ -20,8 +20,11 @@ TorchServe's `predict` does (ts/async_service.py:44-89). `install` swaps it in f
 rest of the worker's life (`handler.worker_service: torchserve` keeps TorchServe's).
 
 It also tells whoever asked for it (`install(on_socket=...)`) the socket, before the first
-request is read: the handler hands a duplicate to the engine process, which answers for
-this worker if it dies, in messages encoded here (`last_words`, `closing_message`).
+request is read: the handler hands a duplicate to the worker's guardian
+(handlers/engine/guardian.py), which answers for this worker if it dies, in messages
+encoded here (`last_words`, `closing_message`); what `on_socket` returns, if anything, is
+what every write goes through from then on (each counted, so that the guardian never
+adds to a message the worker died writing).
 """
 
 from __future__ import annotations
@@ -43,13 +46,14 @@ from handlers.engine.messages import LastWords
 logger = logging.getLogger(__name__)
 
 
-def install(on_socket: Callable[[Any], None] | None = None) -> bool:
+def install(on_socket: Callable[[Any], Any] | None = None) -> bool:
     """Make TorchServe's async worker run `WorkerService`. Called from the handler's
     initialize, which runs inside the worker's model load; the worker builds its
     AsyncService right after the load, looking the name up in its own (__main__)
     namespace (ts/model_service_worker.py:206-234). False, changing nothing, where
     that is not the setup (another entry point, a TorchServe that already changed it).
-    `on_socket` gets the socket to the frontend before the first request is read."""
+    `on_socket` gets the socket to the frontend before the first request is read; what it
+    returns (None: the socket itself) is what the worker writes to."""
     try:
         from ts import async_service
     except ImportError:
@@ -82,7 +86,7 @@ class WorkerService:
     """Replaces ts.async_service.AsyncService (same constructor and `run` contract:
     returns the error text when the connection to the frontend ends)."""
 
-    def __init__(self, service: Any, on_socket: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, service: Any, on_socket: Callable[[Any], Any] | None = None) -> None:
         self.service = service
         self._on_socket = on_socket
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -97,18 +101,22 @@ class WorkerService:
     async def _main(self) -> str:
         self.loop = asyncio.get_running_loop()
         self._ended = self.loop.create_future()
+        sock = self.service.cl_socket
         if self._on_socket is not None:
             try:
-                self._on_socket(self.service.cl_socket)
+                writes = self._on_socket(sock)
             except Exception:  # serving goes on; only the worker's death would hang requests
                 logger.exception("handing TorchServe's socket over failed")
-        threading.Thread(target=self._read, name="inf2serve-ts-reader", daemon=True).start()
+            else:
+                if writes is not None:
+                    self.service.cl_socket = writes  # what `_predict` and the handler write to
+        threading.Thread(target=self._read, args=(sock,), name="inf2serve-ts-reader",
+                         daemon=True).start()
         logger.info("serving TorchServe's async protocol with inf2serve's worker service")
         return await self._ended
 
-    def _read(self) -> None:
+    def _read(self, sock: Any) -> None:
         """The reader thread: each request to the loop, as it arrives."""
-        sock = self.service.cl_socket
         try:
             while True:
                 _, batch = _receive(sock)

@@ -29,7 +29,7 @@ from ts.context import Context, RequestProcessor
 from handlers.api.framing import native_framer
 from handlers.api.openai_framing import ResponseMeta, openai_framer
 from handlers.engine.client import LAST_WORDS, EngineClient
-from handlers.engine.process import Farewell
+from handlers.engine.guardian import Farewell
 from handlers.engine.scheduler import FinishEvent, TextEvent
 from handlers.torchserve import worker_service
 from handlers.torchserve.generation_handler import WORKER_DIED, GenerationHandler, _last_words
