@@ -31,6 +31,7 @@ from handlers.engine.messages import LastWords
 from handlers.engine.scheduler import ErrorEvent, FinishEvent, TextEvent
 from handlers.errors import CapacityError, RequestError
 from handlers.torchserve import log_filters, worker_service
+from handlers.torchserve.cancel_peers import CancelPeers
 from handlers.torchserve.metrics import MetricsReporter, recorder_for, worker_id
 from handlers.torchserve.service import GenerationService
 
@@ -252,7 +253,10 @@ class GenerationHandler:
         self.service: GenerationService | None = None
         self.initialized = False
         self._sender: ChunkSender | None = None
-        self._handed_over = False  # the engine process answers for this worker if it dies
+        self._handed_over = False  # the guardian answers for this worker if it dies
+        #: the model's other workers, asked for a request the router cancels and this one
+        #: does not run (TorchServe gives the cancel to any worker)
+        self._peers: CancelPeers | None = None
 
     def initialize(self, context: Any) -> None:
         log_filters.install()  # a malformed body: one log line, not a traceback
@@ -268,6 +272,7 @@ class GenerationHandler:
             config, model_dir, self._observer(context, config),
             make_backend=partial(_subclass_backend, type(self), config, model_dir)
             if overridden else None)
+        self._peers = CancelPeers.open(model_dir, self.service.cancel_client)
         self.initialized = True
 
     def make_backend(self, config: ModelConfig, model_dir: Path) -> Backend | None:
@@ -297,7 +302,7 @@ class GenerationHandler:
         framer: Framer = NativeApi.error_framer
         url_path = (context.get_request_header(idx, "url_path") or "").strip("/")
         if url_path == CANCEL_PATH:
-            return self._cancel(writer, _payload(item))
+            return await self._cancel(writer, _payload(item))
         try:
             api = select_api(url_path)
             framer = api.error_framer
@@ -335,8 +340,9 @@ class GenerationHandler:
             if client_id:
                 self.service.clients.pop(client_id, None)
 
-    def _cancel(self, writer: StreamWriter, payload: Any) -> str:
-        """The router's word that a client left: {"client_id"} -> {"cancelled": bool}."""
+    async def _cancel(self, writer: StreamWriter, payload: Any) -> str:
+        """The router's word that a client left: {"client_id"} -> {"cancelled": bool}; the
+        request may run on another worker of the model (`CancelPeers`)."""
         try:
             client_id = decode_body(payload, "application/json").get("client_id")
             if not isinstance(client_id, str):
@@ -345,6 +351,8 @@ class GenerationHandler:
             return writer.fail(exc.status, json.dumps(error_body(exc.status, exc.message,
                                                                  exc.field)))
         cancelled = self.service.cancel_client(client_id)
+        if not cancelled and self._peers is not None:
+            cancelled = await self._peers.ask(client_id)
         writer.context.set_response_content_type(writer.idx, "application/json")
         return writer.finish(json.dumps({"cancelled": cancelled}))
 
@@ -372,15 +380,17 @@ class GenerationHandler:
                 return writer.end_with_error(end.status, end.message, end.retry_after_s,
                                              end.field)
 
-    def _hand_over(self, sock: Any) -> None:
-        """TorchServe's socket to the engine process, which answers this worker's requests
-        on it if the worker dies (handlers/engine/process.Farewell). Inline, the model dies
-        with the worker: nobody is left to answer."""
+    def _hand_over(self, sock: Any) -> Any:
+        """TorchServe's socket to the worker's guardian, which answers this worker's requests
+        on it if the worker dies (handlers/engine/guardian.py); returns the socket to write
+        through (None: `sock` itself). Inline, the model dies with the worker: nobody is
+        left to answer."""
         engine = self.service.engine if self.service is not None else None
-        if isinstance(engine, EngineClient):
-            engine.hand_over(sock, worker_service.closing_message(WORKER_DIED))
-            self._handed_over = True
-            logger.info("the engine process answers for this worker if it dies")
+        if not isinstance(engine, EngineClient):
+            return None
+        writes = engine.hand_over(sock, worker_service.closing_message(WORKER_DIED))
+        self._handed_over = True
+        return writes
 
     def _sender_for(self, sock: Any) -> ChunkSender:
         """The worker's one sender (one socket, one event loop; tests bring their own)."""

@@ -91,7 +91,10 @@ class GenerationService:
     def cancel_client(self, client_id: str) -> bool:
         """End the request the router named `client_id`: its client left. TorchServe 0.12
         never tells a worker of a disconnect (docs/design.md); the router, which holds the
-        client's connection, does. False when no such request runs (it ended already)."""
+        client's connection, does. False when no such request runs here (it ended already,
+        or runs on another worker: handlers/torchserve/cancel_peers.py, which calls this
+        from a thread of its own; the map's one-call operations and the engine's `cancel`
+        are thread-safe)."""
         request_id = self.clients.pop(client_id, None)
         if request_id is None:
             return False
