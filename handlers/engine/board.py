@@ -20,6 +20,9 @@ atomic):
 - `writes` / `written`, by the worker: writes to TorchServe's socket begun and ended
   (`CountedWrites`). Unequal, the worker is inside a write: it waits on the frontend, not
   on itself, and if it dies there its message is torn (handlers/engine/guardian.py).
+- `guarded`, by the worker: 1 once its guardian runs and its writes are counted. Only then
+  is killing a stuck worker of use (someone answers its requests), and only then does
+  `writes` say whether it waits on the frontend.
 
 Standard library only: the guardian imports it.
 """
@@ -37,7 +40,7 @@ _SIZE = mmap.PAGESIZE
 class Board:
     """The shared numbers; pickles to a spawned process (multiprocessing passes the fd)."""
 
-    STEP_SINCE, RECEIVED, TAKEN, WRITES, WRITTEN = range(5)
+    STEP_SINCE, RECEIVED, TAKEN, WRITES, WRITTEN, GUARDED = range(6)
 
     def __init__(self, fd: int | None = None) -> None:
         if fd is None:
@@ -64,6 +67,10 @@ class Board:
     @property
     def taken(self) -> int:
         return int(self.cells[Board.TAKEN])
+
+    @property
+    def guarded(self) -> bool:
+        return self.cells[Board.GUARDED] == 1.0
 
     def writing(self) -> bool:
         """The worker is inside a write to TorchServe's socket (or died in one)."""

@@ -234,11 +234,13 @@ class EngineClient:
             logger.exception("starting the guardian failed: if this worker dies, nobody "
                              "answers its requests")
             return None
+        writes = CountedWrites(sock, self._board)
         with self._lock:
             self._guardian = guardian
+        self._board.cells[Board.GUARDED] = 1.0
         logger.info("guardian %d started: it answers for this worker if it dies",
                     guardian.proc.pid)
-        return CountedWrites(sock, self._board)
+        return writes
 
     def stop(self, timeout_s: float = 10) -> None:
         """Stop the engine process; requests still in flight get a 503."""
@@ -295,6 +297,7 @@ class EngineClient:
         self._heard, self._taken = time.monotonic(), 0  # a new process: heard just now
         with self._lock:
             self._incarnation += 1
+            self._board.cells[Board.TAKEN] = 0.0  # after any late `_took` of the last one
             self._proc, self._conn, self.limits, self.pid = proc, conn, message.limits, proc.pid
             waiting = [r for r in self._requests.values() if r.sent_to is None]
             for entry in waiting:
@@ -418,8 +421,9 @@ class EngineClient:
                      "the next one" if unread else "")
         message = f"the model process {reason}; it is being restarted, retry the request"
         now = time.monotonic()
-        for entry in lost:
-            self._forget(entry)
+        booked = [(e.request_id, None) for e in lost if e.last_words is not None]
+        if booked:  # the worker ends them now: out of the guardian's book first
+            self._guardian.sent([], booked)
         for entry in lost:
             _emit(entry, ErrorEvent(500, message))
             # its end, for the metrics: an error (what it got before is not known here)

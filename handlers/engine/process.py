@@ -82,8 +82,9 @@ class Outbox:
     It also keeps this process's side of the book on the worker: how many requests are in
     flight here (`holds_requests`) and how many step messages went out (`sent`)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, board: Board | None = None) -> None:
         self._conn = conn
+        self._board = board
         self._lock = threading.Lock()
         self._texts: list[TextItem] = []
         self._finals: list[FinalItem] = []
@@ -107,7 +108,9 @@ class Outbox:
         return put
 
     def holds_requests(self) -> bool:
-        return self._in_flight > 0
+        """Requests of a guarded worker are in flight here: killing it when it is stuck gets
+        them answered (without a guardian, nobody would)."""
+        return self._in_flight > 0 and self._board is not None and self._board.guarded
 
     def observe(self, name: str, value: float, unit: str) -> None:
         with self._lock:
@@ -173,7 +176,7 @@ def main(conn: Connection, spec: EngineSpec, board: Board | None = None,
     logging.basicConfig(stream=sys.stdout, format="%(message)s", level=spec.log_level)
     die_with_parent(worker_pid)
     board = board or Board()
-    outbox = Outbox(conn)
+    outbox = Outbox(conn, board)
     try:
         engine, tokenizer = start_engine(spec, outbox.observe, outbox.flush,
                                          _board_engine(board))
