@@ -294,6 +294,11 @@ class EngineClient:
                     f"raised in the engine process {proc.pid}:\n{message.traceback}")
             raise EngineProcessError(f"the engine process {proc.pid} {reason} before the "
                                      "model was loaded; its log lines are above")
+        if self._stopping.is_set():  # stopped while it loaded: it must not outlive `stop`
+            self._send(conn, Stop())
+            _stop_process(proc)
+            conn.close()
+            return
         self._heard, self._taken = time.monotonic(), 0  # a new process: heard just now
         with self._lock:
             self._incarnation += 1
