@@ -414,7 +414,7 @@ class EngineClient:
             lost, unread = [], []
             for entry in self._requests.values():
                 if entry.sent_to == self._incarnation:
-                    (lost if entry.number <= received else unread).append(entry)
+                    (lost if 0 < entry.number <= received else unread).append(entry)
             for entry in lost:
                 del self._requests[entry.request.request_id]
             for entry in unread:
@@ -472,8 +472,12 @@ class EngineClient:
                 pass
 
     def _send_request(self, conn: Connection, entry: _Request) -> None:
-        """The request, numbered in the order the process reads them (`Board.received`)."""
+        """The request, numbered in the order the process reads them (`Board.received`).
+        Not to a process that died meanwhile: `_died` found it unsent (number 0), and it
+        waits for the next one."""
         with self._send_lock:
+            if conn is not self._conn:
+                return
             if conn is not self._numbering:
                 self._numbering, self._sent = conn, 0
             self._sent += 1
