@@ -98,3 +98,50 @@ def test_a_directory_others_may_enter_is_refused(tmp_path) -> None:
     shared.mkdir(mode=0o777)
     os.chmod(shared, 0o777)
     assert CancelPeers.open(tmp_path, Owner().cancel, base=base) is None
+
+
+def test_the_handler_asks_the_other_workers_for_a_cancel_it_cannot_answer(tmp_path) -> None:
+    """The router's cancel reaches a worker that does not run the request: its handler asks
+    the model's other workers, and the answer is theirs."""
+    import json
+    from types import SimpleNamespace
+
+    from ts.context import Context, RequestProcessor
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    from handlers.torchserve.generation_handler import GenerationHandler
+    from handlers.torchserve.service import GenerationService
+    from tests.unit.test_generation_handler import FakeService, Socket
+    from tests.unit.ts_frontend import decode, http_view
+
+    def worker(name: str, clients: dict[str, str]) -> tuple[GenerationHandler, list[str]]:
+        cancelled: list[str] = []
+        service = FakeService([])
+        service.engine = SimpleNamespace(cancel=cancelled.append, down=None)
+        service.clients = clients
+        service.cancel_client = lambda client_id: GenerationService.cancel_client(service,
+                                                                                  client_id)
+        handler = GenerationHandler()
+        handler.service = service
+        handler._peers = CancelPeers.open(tmp_path, service.cancel_client, name=name)
+        return handler, cancelled
+
+    receiver, nothing = worker("receiver", {})
+    owner, cancelled = worker("owner", {"c1": "req-7"})
+    try:
+        def cancel(client_id: str) -> dict:
+            ctx = Context("tiny", "/m", {}, 1, None, "0.12.0")
+            ctx.request_processor = [RequestProcessor({"url_path": "inf2serve/cancel"})]
+            ctx.request_ids = {0: "req-9"}
+            ctx.cl_socket = Socket()
+            body = json.dumps({"client_id": client_id}).encode()
+            ret = asyncio.run(receiver.handle([{"body": body}], ctx))
+            ctx.cl_socket.sendall(create_predict_response(ret, ctx.request_ids, "ok", 200, ctx))
+            return json.loads(http_view(decode(ctx.cl_socket.sent)).body)
+
+        assert cancel("c1") == {"cancelled": True}
+        assert cancelled == ["req-7"] and nothing == [] and owner.service.clients == {}
+        assert cancel("c1") == {"cancelled": False}  # it runs nowhere now
+    finally:
+        for handler in (receiver, owner):
+            handler._peers.close()
