@@ -37,7 +37,9 @@ def server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     specs = [ArchiveSpec(name, frontend={"minWorkers": n, "maxWorkers": n}, handler=HANDLER)
              for name, n in WORKERS.items()]
     store = build_store(root, tiny_checkpoint, specs)
-    with running_server(store, root / "run", list(WORKERS), openai_port=0) as srv:
+    # five workers and their engine processes load at once: on 2 shared cores, minutes
+    with running_server(store, root / "run", list(WORKERS), openai_port=0,
+                        ready_timeout_s=900) as srv:
         yield srv
 
 
