@@ -1,5 +1,5 @@
 """The workers of one model answer one another's cancels (handlers/torchserve/
-cancel_peers.py); tests/e2e/test_cancel_workers_e2e.py does it through TorchServe with 2 and
+cancel_peers.py); tests/e2e/test_disconnect_e2e.py does it through TorchServe with 2 and
 3 workers."""
 
 from __future__ import annotations
