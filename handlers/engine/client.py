@@ -72,7 +72,8 @@ from handlers.backends.neuron_cores import CoreClaim, available_cores, claim_cor
 from handlers.config import ModelConfig
 from handlers.engine import process as engine_process
 from handlers.engine.board import Board, CountedWrites
-from handlers.engine.core import Observer, deliver
+from handlers.engine.core import Observer
+from handlers.engine.delivery import deliver
 from handlers.engine.guardian import Guardian
 from handlers.engine.messages import (
     SILENT_S,

@@ -20,7 +20,8 @@ from pathlib import Path
 from handlers.api.request import GenerationRequest, fit_to_context
 from handlers.backends.base import Backend
 from handlers.config import ModelConfig
-from handlers.engine.core import Observer, QueueSink
+from handlers.engine.core import Observer
+from handlers.engine.delivery import QueueSink
 from handlers.engine.messages import EngineHandle, EngineRequest, ModelLimits
 from handlers.engine.scheduler import Event
 from handlers.engine.start import EngineSpec, InlineEngine, load_tokenizer
