@@ -213,7 +213,8 @@ if __name__ == "__main__":
     while len(started) < 2:
         time.sleep(0.01)
     {then}
-    (tmp / "ready").write_text(str(client.pid))
+    (tmp / "ready.part").write_text(str(client.pid))
+    (tmp / "ready.part").rename(tmp / "ready")  # whole when seen
     time.sleep(600)
 """
 
