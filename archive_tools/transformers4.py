@@ -50,18 +50,37 @@ def load_under(overlay: Path, checkpoint: Path) -> dict:
 
 
 def check_loads_under_4x(checkpoint: Path, flag: str = "--checkpoint") -> list[str]:
-    """Load under every overlay found; raise on the first that fails. Returns notes."""
+    """Load under every overlay found; raise on the first that fails. Returns notes.
+
+    An overlay whose transformers predates the checkpoint's family (4.36 and Qwen2) is
+    passed over with a note: the SDK lines that ship it cannot serve that family at all
+    (handlers/families.py says which can), so only the lines that know it are a worker's.
+    None knowing it is a refusal."""
     found = overlays()
     if not found:
         return [f"transformers 4.x (the Neuron SDKs') not found here, so the checkpoint was "
                 f"checked by rule only; `make overlays` builds them (or set {OVERLAYS_ENV})"]
-    loaded = []
+    loaded, older, model_type = [], [], None
     for overlay in found:
         got = load_under(overlay, checkpoint)
         if "error" in got:
             raise Inf2ServeError(f"{flag} {checkpoint}: does not load under {overlay.name} "
                                  f"(a Neuron SDK's transformers), as a neuron worker loads it: "
                                  f"{got['error']}; {PREPARE_FIX}")
-        loaded.append(got["transformers"])
-    return [f"tokenizer and config.json load under transformers {', '.join(loaded)} (the "
-            "Neuron SDKs' 4.x)"]
+        if "unknown" in got:
+            older.append(got["transformers"])
+            model_type = got["unknown"]
+        else:
+            loaded.append(got["transformers"])
+    if not loaded:
+        raise Inf2ServeError(f"{flag} {checkpoint}: model_type {model_type!r} is unknown to "
+                             f"transformers {', '.join(older)} (the Neuron SDKs' 4.x found "
+                             "here), so no neuron worker can load it; serve it with "
+                             "handler.backend: torch")
+    notes = [f"tokenizer and config.json load under transformers {', '.join(loaded)} (the "
+             "Neuron SDKs' 4.x)"]
+    if older:
+        notes.append(f"transformers {', '.join(older)} predate{'s' if len(older) == 1 else ''}"
+                     f" model_type {model_type!r}: the SDK lines that ship "
+                     f"{'it' if len(older) == 1 else 'them'} cannot serve this family")
+    return notes

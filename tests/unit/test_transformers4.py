@@ -106,3 +106,26 @@ def test_validate_loads_a_neuron_checkpoint_under_every_4x(ckpt: Path, tmp_path:
                           "transformers-4.36.2 (a Neuron SDK's transformers), as a neuron worker "
                           "loads it: Exception: data did not match any variant"), err
     assert "run `inf2serve prepare SRC OUT`" in err
+
+
+@needs_overlays
+def test_a_family_newer_than_an_overlay_loads_under_those_that_know_it(family_checkpoint) -> None:
+    """Qwen2 arrived in transformers 4.37: 4.36 (transformers-neuronx's floor) is passed over
+    with a note, the later lines load it; a model_type none of them knows is refused."""
+    ckpt = family_checkpoint("qwen2")
+    versions = [transformers_version(o) for o in overlays()]
+    knowing = [v for v in versions if tuple(map(int, v.split(".")[:2])) >= (4, 37)]
+    if not knowing or len(knowing) == len(versions):
+        pytest.skip("needs overlays on both sides of transformers 4.37")
+    notes = transformers4.check_loads_under_4x(ckpt)
+    assert notes[0] == (f"tokenizer and config.json load under transformers "
+                        f"{', '.join(knowing)} (the Neuron SDKs' 4.x)")
+    assert "predate" in notes[1] and "model_type 'qwen2'" in notes[1], notes
+
+
+@needs_overlays
+def test_a_model_type_no_overlay_knows_is_refused(ckpt: Path) -> None:
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "model_type": "llama9"}))
+    with pytest.raises(Exception, match="model_type 'llama9' is unknown to transformers"):
+        transformers4.check_loads_under_4x(ckpt)
