@@ -39,10 +39,7 @@ class ToolRequest:
     tools: tuple[dict[str, Any], ...]
     choice: str
     named: bool = False  # choice names one tool
-
-    @property
-    def forced(self) -> bool:
-        return self.choice == "required" or self.named
+    forced: bool = False  # "required" or named: the answer must be calls (a grammar says so)
 
     def rendered(self) -> list[dict[str, Any]]:
         """The tools the prompt shows: all of them, or the named one."""
@@ -90,11 +87,11 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
         if name not in names:
             raise RequestError("tool_choice.function.name", f"{brief(name)} is not among the "
                                "request's tools")
-        return ToolRequest(tuple(tools), name, named=True)
+        return ToolRequest(tuple(tools), name, named=True, forced=True)
     if choice not in ("none", "auto", "required"):
         raise RequestError("tool_choice", f"{brief(choice)} is not allowed; choose \"none\", "
                            "\"auto\", \"required\" or a named function")
-    return ToolRequest(tuple(tools), choice)
+    return ToolRequest(tuple(tools), choice, forced=choice == "required")
 
 
 def chat_message(message: dict[str, Any], where: str) -> dict[str, Any]:

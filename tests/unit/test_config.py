@@ -81,13 +81,14 @@ def test_deadline_defaults_and_no_cap():
 
 
 def test_every_defaultable_request_field_has_a_default():
-    """README's request table: every field but prompt and timeout takes handler.defaults."""
+    """README's request table: every field but prompt, timeout and response_format (a
+    request's own grammar) takes handler.defaults."""
     from handlers.api.request import FIELDS, parse_request
 
     d = {"max_new_tokens": 9, "min_new_tokens": 3, "temperature": 0.5, "top_k": 7,
          "top_p": 0.9, "stop": ["\n\n"], "seed": 11, "stream": False,
          "stream_format": "ndjson", "details": True}
-    assert set(d) == set(FIELDS) - {"prompt", "timeout"}
+    assert set(d) == set(FIELDS) - {"prompt", "timeout", "response_format"}
     h = parse_config({"handler": {"defaults": d}}).handler
     r = parse_request({"prompt": "hi"}, h)
     assert (r.max_new_tokens, r.min_new_tokens, r.stop, r.stream, r.stream_format,
