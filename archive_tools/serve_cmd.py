@@ -143,9 +143,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the new one replaces the old.\n\nexamples:\n  inf2serve token\n"
         "  curl -H \"Authorization: Bearer $(inf2serve token -q)\" ...",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--run-dir", default=str(serve.DEFAULT_RUN_DIR),
-                   help=f"the --run-dir `inf2serve serve` was given (default "
-                   f"{serve.DEFAULT_RUN_DIR})")
+    _served_run_dir(t)
     t.add_argument("--type", default="inference", choices=("inference", "management"),
                    help="which token (default inference, the one requests need)")
     t.add_argument("-q", "--quiet", action="store_true", help="print the token only")
@@ -155,7 +153,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "`inf2serve serve` started from --run-dir, and its workers.\n\n"
                        "examples:\n  inf2serve stop\n  inf2serve stop --run-dir /srv/run",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("--run-dir", default=str(serve.DEFAULT_RUN_DIR),
-                   help=f"the --run-dir `inf2serve serve` was given (default "
-                   f"{serve.DEFAULT_RUN_DIR})")
+    _served_run_dir(s)
     s.set_defaults(func=_stop)
+
+
+def _served_run_dir(parser: argparse.ArgumentParser) -> None:
+    """--run-dir of the commands that talk to a running `inf2serve serve` (token, stop)."""
+    parser.add_argument("--run-dir", default=str(serve.DEFAULT_RUN_DIR),
+                        help=f"the --run-dir `inf2serve serve` was given (default "
+                        f"{serve.DEFAULT_RUN_DIR})")
