@@ -2,10 +2,20 @@
 
 Data only, with the one rule that tells inline Jinja from a preset name or a file name:
 `handlers.config` checks a configured name against them at packaging time, and
-handlers/api/chat_template.py renders them.
+handlers/api/chat_template.py renders them. `llama-2` and `llama-3` are short templates
+written here; the others are the families' published templates, verbatim from the Hugging
+Face Hub (templates/, read on first use), with their tool formats and Qwen3's thinking
+switch: `qwen2.5` is Qwen/Qwen2.5-7B-Instruct's (every Qwen2.5 Instruct size has it),
+`qwen3` Qwen/Qwen3-8B's, `mistral` mistralai/Mistral-7B-Instruct-v0.3's. They are for a
+checkpoint saved without its template (a converted or merged one); a checkpoint that has
+its own template needs none.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping
+from importlib import resources
 
 # Llama-2 chat: [INST] turns, optional <<SYS>> block folded into the first user turn,
 # roles must alternate user/assistant; each user turn opens with BOS, each answer ends with EOS.
@@ -39,7 +49,36 @@ LLAMA3_CHAT = (
     "{% endif %}"
 )
 
-PRESETS: dict[str, str] = {"llama-2": LLAMA2_CHAT, "llama-3": LLAMA3_CHAT}
+#: preset name -> file under templates/
+PUBLISHED = {"qwen2.5": "qwen2.5.jinja", "qwen3": "qwen3.jinja", "mistral": "mistral.jinja"}
+
+
+@functools.cache
+def _published(name: str) -> str:
+    return resources.files(__package__).joinpath("templates", PUBLISHED[name]).read_text("utf-8")
+
+
+class _Presets(Mapping[str, str]):
+    """Name -> Jinja source; a published template's file is read when first asked for."""
+
+    def __init__(self, inline: dict[str, str]) -> None:
+        self._inline = inline
+
+    def __getitem__(self, name: str) -> str:
+        if name in self._inline:
+            return self._inline[name]
+        if name in PUBLISHED:
+            return _published(name)
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter((*self._inline, *PUBLISHED))
+
+    def __len__(self) -> int:
+        return len(self._inline) + len(PUBLISHED)
+
+
+PRESETS: Mapping[str, str] = _Presets({"llama-2": LLAMA2_CHAT, "llama-3": LLAMA3_CHAT})
 #: the remedy for a model without a chat template: packaging warns with it, a chat request
 #: is answered 400 with it (a base model needs no template; completions still work)
 NO_TEMPLATE_FIX = f"set handler.chat_template ({', '.join(PRESETS)}) or use /v1/completions"

@@ -113,13 +113,16 @@ def test_request_defaults_are_validated(defaults, expected):
         parse_config({"handler": {"defaults": defaults}})
 
 
-@pytest.mark.parametrize("setting", ["llama2", "Llama-2", "llama_2"])
-def test_chat_template_typo_names_the_preset(setting):
-    with pytest.raises(ConfigError, match="handler.chat_template: .*did you mean 'llama-2'"):
+@pytest.mark.parametrize("setting, preset", [("llama2", "llama-2"), ("Llama-2", "llama-2"),
+                                             ("llama_2", "llama-2"), ("qwen-3", "qwen3"),
+                                             ("Mistral", "mistral")])
+def test_chat_template_typo_names_the_preset(setting, preset):
+    with pytest.raises(ConfigError, match=f"handler.chat_template: .*did you mean '{preset}'"):
         parse_config({"handler": {"chat_template": setting}})
 
 
-@pytest.mark.parametrize("setting", ["llama-2", "chat.jinja", "templates/chat", "{{ x }}", ""])
+@pytest.mark.parametrize("setting", ["llama-2", "qwen2.5", "qwen3", "mistral", "chat.jinja",
+                                     "templates/chat", "{{ x }}", ""])
 def test_chat_template_presets_files_and_jinja_pass(setting):
     assert parse_config({"handler": {"chat_template": setting}}).handler.chat_template == setting
 

@@ -185,6 +185,20 @@ def test_llama3_preset_renders_the_llama3_instruct_format(tokenizer) -> None:
         "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
+@pytest.mark.parametrize("preset, start, end", [
+    ("qwen2.5", "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>",
+     "<|im_start|>assistant\n"),
+    ("qwen3", "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>",
+     "<|im_start|>assistant\n"),
+    ("mistral", "<s>[INST] be brief\n\nhi there[/INST]", "[/INST]"),
+])
+def test_published_presets_render_their_families_format(tokenizer, preset, start, end) -> None:
+    """Qwen2.5's, Qwen3's and Mistral v0.3's own templates, for checkpoints saved without
+    theirs (read from handlers/presets/templates/ when first used)."""
+    text = render_chat(tokenizer, CHAT, preset)
+    assert text.startswith(start) and text.endswith(end)
+
+
 def test_configured_template_overrides_the_tokenizers(tokenizer) -> None:
     tok = make_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
