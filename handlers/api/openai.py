@@ -147,6 +147,10 @@ def forced_calls(request: ChatRequest, tools: list[dict[str, Any]], reader: Any,
     reader takes the answer as calls, and the finish reason is "tool_calls"."""
     asked = request.tools
     fmt = reader.parser.grammar
+    if fmt is None:
+        raise RequestError("tool_choice", f"the chat template's tool-call format "
+                           f"({reader.parser.name}, {type(reader.parser).__name__}) cannot be "
+                           "forced by a grammar; send tool_choice \"auto\"")
     if asked.named:
         fmt = replace(fmt, separator=None)
     grammar = forced_tool_call(tools, asked.choice if asked.named else None, fmt)

@@ -109,14 +109,20 @@ def tool_call_schema(spec: GrammarSpec) -> dict[str, Any]:
 
 
 def tool_call_lark(spec: GrammarSpec) -> str:
-    """Lark text: one call, or one or more joined by the family's separator."""
+    """Lark text: the family's opening, one call or one or more joined by its separator,
+    its closing."""
     fmt = spec.tool_format
     options = {**JSON_OPTIONS, "lenient": not spec.strict, "coerce_one_of": not spec.strict}
     body = json.dumps({**tool_call_schema(spec), "x-guidance": options})
-    call = f"{json.dumps(fmt.prefix)} %json {body} {json.dumps(fmt.suffix)}"
-    if fmt.separator is None:
-        return f"start: call\ncall: {call}\n"
-    return f"start: call ({json.dumps(fmt.separator)} call)*\ncall: {call}\n"
+    call = " ".join(_literals(fmt.prefix, f"%json {body}", fmt.suffix))
+    calls = "call" if fmt.separator is None else f"call ({json.dumps(fmt.separator)} call)*"
+    return f"start: {' '.join(_literals(fmt.start, calls, fmt.end))}\ncall: {call}\n"
+
+
+def _literals(before: str, rule: str, after: str) -> list[str]:
+    """`rule` between two Lark string literals, empty ones left out."""
+    return [part for part in (json.dumps(before) if before else "", rule,
+                              json.dumps(after) if after else "") if part]
 
 
 @dataclass

@@ -38,15 +38,28 @@ FORMAT_TYPES = ("text", JSON_OBJECT, JSON_SCHEMA)
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """How one model family writes a tool call, for the grammar that forces one: each call
-    is `prefix + {"<name_key>": "<name>", "<args_key>": {...}} + suffix`, calls joined by
-    `separator` (none: one call only). Llama 3.1's JSON format is the default."""
+    """How one model family writes tool calls, the one statement of it that both the grammar
+    forcing a call and the tests' scripted answers are built from: `start`, then each call
+    as `prefix + {"<name_key>": "<name>", "<args_key>": {...}} + suffix`, calls joined by
+    `separator` (None: one call only), then `end`. Llama 3.1's JSON format is the default;
+    Qwen's is `<tool_call>` tags around each call, Mistral v0.3's one `[TOOL_CALLS] [...]`
+    list."""
 
     name_key: str = "name"
     args_key: str = "parameters"
     prefix: str = ""
     suffix: str = ""
     separator: str | None = None
+    start: str = ""
+    end: str = ""
+
+    def render(self, calls: Sequence[Any]) -> str:
+        """The answer text of a model calling `calls` (each with .name and .arguments)."""
+        body = (self.separator or "").join(
+            self.prefix + json.dumps({self.name_key: c.name, self.args_key: c.arguments},
+                                     ensure_ascii=False) + self.suffix
+            for c in calls)
+        return self.start + body + self.end
 
 
 @dataclass(frozen=True)

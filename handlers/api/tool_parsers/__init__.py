@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from handlers.api.tool_parsers.base import Call, ToolParser
+from handlers.api.tool_parsers.hermes import HermesParser
 from handlers.api.tool_parsers.llama3_json import Llama3JsonParser
+from handlers.api.tool_parsers.mistral import MistralArgsParser, MistralParser
 
 logger = logging.getLogger(__name__)
 
 #: every format, most specific first: the first whose `speaks` accepts the template wins
-PARSERS: tuple[type[ToolParser], ...] = (Llama3JsonParser,)
+PARSERS: tuple[type[ToolParser], ...] = (HermesParser, MistralArgsParser, MistralParser,
+                                         Llama3JsonParser)
 
 
 def parser_for(rendered_call: str) -> ToolParser:
@@ -56,7 +58,7 @@ class ToolCallReader:
             parsed = self.parser.parse(text)
             if not parsed or any(call.name not in self.names for call in parsed):
                 return None
-            return [openai_call(call) for call in parsed]
+            return [openai_call(call, self.parser.call_id()) for call in parsed]
         except Exception:  # a parser's bug must not cost the client its answer
             logger.warning("the %s parser failed on an answer; sent as content",
                            self.parser.name, exc_info=True)
@@ -73,12 +75,13 @@ class ToolCallReader:
             return False
 
 
-def openai_call(call: Call) -> dict[str, Any]:
+def openai_call(call: Call, call_id: str) -> dict[str, Any]:
     """OpenAI's shape: arguments as a JSON string, an id for the tool's answer to name.
     Raises ValueError on NaN or Infinity, which JSON has no words for."""
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+    return {"id": call_id, "type": "function",
             "function": {"name": call.name, "arguments": json.dumps(
                 call.arguments, ensure_ascii=False, allow_nan=False)}}
 
 
-__all__ = ["PARSERS", "Call", "ToolCallReader", "ToolParser", "openai_call", "parser_for"]
+__all__ = ["PARSERS", "Call", "ToolCallReader", "ToolParser", "openai_call",
+           "parser_for"]

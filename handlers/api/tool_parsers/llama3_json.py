@@ -11,9 +11,8 @@ content the model wrote.
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from handlers.api.tool_parsers.base import Call, ToolParser
+from handlers.api.tool_parsers.base import Call, ToolParser, call_of, undecided
 from handlers.structured.spec import ToolCallFormat
 
 #: the token Llama 3.1 writes before a tool call (vLLM's parser strips it too)
@@ -23,7 +22,8 @@ _SEPARATORS = " \t\r\n;"
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
-    #: `{"name": ..., "parameters": {...}}`, several joined by "; " (what `parse` reads)
+    #: `{"name": ..., "parameters": {...}}`, several joined by "; " (Llama 3.1's template
+    #: writes each call so; `parse` reads them back)
     grammar = ToolCallFormat(name_key="name", args_key="parameters", separator="; ")
 
     @classmethod
@@ -45,7 +45,7 @@ class Llama3JsonParser(ToolParser):
                 obj, at = decoder.raw_decode(body, at)
             except ValueError:  # cut short, or not JSON
                 return None
-            call = _call(obj)
+            call = call_of(obj, ("parameters", "arguments"))
             if call is None:
                 return None
             calls.append(call)
@@ -55,24 +55,7 @@ class Llama3JsonParser(ToolParser):
 
     def may_open(self, text: str) -> bool | None:
         body = text.lstrip()
-        if not body or PYTHON_TAG.startswith(body):
+        if undecided(body, PYTHON_TAG):
             return None
         return body.startswith(("{", PYTHON_TAG))
 
-
-def _call(obj: Any) -> Call | None:
-    """{"name", "parameters" | "arguments"} as a Call; None for any other value. Arguments
-    sent as a JSON string (as OpenAI writes them) are read too."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    if "parameters" in obj and "arguments" in obj:  # vLLM refuses both as well
-        return None
-    arguments = obj.get("parameters", obj.get("arguments"))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict) or not obj["name"]:
-        return None
-    return Call(obj["name"], arguments)
