@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from handlers.api.reasoning import Start, start_of, teaches_thinking
 from handlers.errors import RequestError
 from handlers.presets.chat_templates import LLAMA2_CHAT as LLAMA2_CHAT  # re-exported
 from handlers.presets.chat_templates import LLAMA3_CHAT as LLAMA3_CHAT  # re-exported
@@ -70,7 +71,13 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], setting: str = "
     """Apply the chat template (with `tools` when given, and any extra template variables);
     a template's raise_exception becomes a 400 on `messages`, any other failure a 500
     naming the template."""
-    template = template_for(tokenizer, setting)
+    return _render(tokenizer, template_for(tokenizer, setting), messages, setting, tools,
+                   template_kwargs)
+
+
+def _render(tokenizer: Any, template: str, messages: Sequence[dict[str, Any]], setting: str,
+            tools: list[dict[str, Any]] | None,
+            template_kwargs: Mapping[str, Any] | None) -> str:
     extra = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(list(messages), chat_template=template,
@@ -83,12 +90,26 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], setting: str = "
     return text
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat: its text, its token ids, and where the answer starts when the
+    template teaches thinking (handlers/api/reasoning.py; None: the answer is all content)."""
+
+    text: str
+    ids: list[int]
+    reasoning: Start | None
+
+
 def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], setting: str = "",
                 tools: list[dict[str, Any]] | None = None,
-                template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
-    """A chat's prompt text and its token ids (render_chat, then encode_chat)."""
-    text = render_chat(tokenizer, list(messages), setting, tools, template_kwargs)
-    return text, encode_chat(tokenizer, text)
+                template_kwargs: Mapping[str, Any] | None = None) -> ChatPrompt:
+    """A chat's prompt (rendered as render_chat does, then encode_chat), and how its answer
+    is read: a template that writes `</think>` teaches thinking, and the prompt's end says
+    where the answer starts."""
+    template = template_for(tokenizer, setting)
+    text = _render(tokenizer, template, messages, setting, tools, template_kwargs)
+    return ChatPrompt(text, encode_chat(tokenizer, text),
+                      start_of(text) if teaches_thinking(template) else None)
 
 
 def template_error(exc: Exception, setting: str) -> RequestError:

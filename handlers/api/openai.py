@@ -131,12 +131,13 @@ class ChatCompletionsApi:
         setting = service.config.handler.chat_template
         tools, reader = tool_calls.for_template(request.tools, request.tool_turn,
                                                 service.tokenizer, setting)
-        text, prompt_ids = chat_prompt(service.tokenizer, request.messages, setting, tools,
-                                       request.template_kwargs)
-        meta = _meta(request, model, True, service.tokenizer, tool_calls=reader)
+        prompt = chat_prompt(service.tokenizer, request.messages, setting, tools,
+                             request.template_kwargs)
+        meta = _meta(request, model, True, service.tokenizer, tool_calls=reader,
+                     reasoning=prompt.reasoning)
         if reader is not None and request.tools.forced:
             request = forced_calls(request, tools, reader, service)
-        return _prepared(request, text, prompt_ids, meta, service)
+        return _prepared(request, prompt.text, prompt.ids, meta, service)
 
 
 def forced_calls(request: ChatRequest, tools: list[dict[str, Any]], reader: Any,

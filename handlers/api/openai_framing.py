@@ -5,6 +5,10 @@ exactly as it streams the native contract. Each `chunk` is one SSE event, which
 the handler sends as its own intermediate response (one event per chunk on the
 wire); `final` carries the finish_reason event, the optional usage event and
 `data: [DONE]`. Errors use OpenAI's shape {"error": {message, type, param, code}}.
+
+A chat answer passes two readers, in this order: a thinking template's reasoning
+(handlers/api/reasoning.py: `<think>...</think>` becomes `reasoning_content`), then the
+tool-call reader on what is left (a Qwen3 answer thinks, then calls).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from handlers.api.framing import ERROR_TYPES
+from handlers.api.reasoning import REASONING, Piece, ReasoningSplitter, Start, split
 from handlers.api.tool_parsers import ToolCallReader
 from handlers.backends.base import TokenLogprob
 from handlers.engine.scheduler import FinishEvent
@@ -59,6 +64,8 @@ class ResponseMeta:
     token_text: Callable[[int], str] = str  # a token id's text in logprobs
     #: tools were rendered: the calls are read out of the answer in the template's format
     tool_calls: ToolCallReader | None = None
+    #: the template teaches thinking: where the answer starts (reasoning.start_of)
+    reasoning: Start | None = None
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -139,12 +146,16 @@ class OpenAIJsonFramer(OpenAIErrorFramer):
     def final(self, event: FinishEvent) -> str:
         meta = self.meta
         if meta.chat:
-            calls = meta.tool_calls.calls(event.text) if meta.tool_calls else None
-            message: dict[str, Any] = {"role": "assistant", "content": event.text}
+            reasoning, text = (split(event.text, meta.reasoning) if meta.reasoning
+                               else (None, event.text))
+            calls = meta.tool_calls.calls(text) if meta.tool_calls else None
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             reason = event.reason
             if calls:  # OpenAI: content null beside the calls; vLLM: finish "tool_calls"
                 message, reason = {"role": "assistant", "content": None,
                                    "tool_calls": calls}, "tool_calls"
+            if meta.reasoning:  # vLLM's field, null when the answer did not think
+                message["reasoning_content"] = reasoning
             choice = {"index": 0, "message": message,
                       "logprobs": chat_logprobs(meta, event), "finish_reason": reason}
             obj = meta.head("chat.completion")
@@ -176,6 +187,8 @@ class OpenAISseFramer(OpenAIErrorFramer):
         #: True undecided or a call (held to the end), False plain content
         self.held = ""
         self.calling = meta.tool_calls is not None
+        #: a thinking template: the answer's text goes through its reasoning splitter first
+        self.splitter = ReasoningSplitter(meta.reasoning) if meta.reasoning else None
 
     def _event(self, choices: list[dict], event: FinishEvent | None = None) -> str:
         obj = self.meta.head("chat.completion.chunk" if self.meta.chat else "text_completion")
@@ -200,6 +213,23 @@ class OpenAISseFramer(OpenAIErrorFramer):
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def chunk(self, text: str) -> str:
+        if self.splitter is None:
+            return self._content(text)
+        return self._pieces(self.splitter.feed(text))
+
+    def _pieces(self, pieces: list[Piece]) -> str:
+        return "".join(self._reasoning(text) if kind == REASONING else self._content(text)
+                       for kind, text in pieces)
+
+    def _reasoning(self, text: str) -> str:
+        delta: dict[str, str] = {"reasoning_content": text}
+        if not self.role_sent:
+            delta = {"role": "assistant", **delta}
+            self.role_sent = True
+        return self._event([{"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": None}])
+
+    def _content(self, text: str) -> str:
         if self.calling:
             self.held += text
             self.calling = self.meta.tool_calls.may_open(self.held)
@@ -228,7 +258,7 @@ class OpenAISseFramer(OpenAIErrorFramer):
     def final(self, event: FinishEvent) -> str:
         self.tokens = event.completion_tokens
         reason = event.reason
-        out = ""
+        out = self._pieces(self.splitter.flush()) if self.splitter else ""
         if self.held:
             out, called = self._calls()
             reason = "tool_calls" if called else reason

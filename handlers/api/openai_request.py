@@ -18,14 +18,16 @@ pydantic, with the cost of each per request.
 
 `response_format` json_object / json_schema (with `strict`), on chat and completions, is
 the GrammarSpec handlers/structured/spec.py parses (read_params puts it in the sampling
-settings, which carry it to the engine); `chat_template_kwargs` (e.g. `enable_thinking`)
-will fill `ChatRequest.template_kwargs`, which the template render already passes on.
+settings, which carry it to the engine); `chat_template_kwargs` (vLLM's field, e.g. Qwen3's
+`{"enable_thinking": false}`) is `ChatRequest.template_kwargs`, which the template render
+passes on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from handlers.api import tool_calls
@@ -63,7 +65,7 @@ COMPLETION_FIELDS = ("prompt", "max_tokens", "logprobs", "echo", "best_of", "suf
                      "response_format", *COMMON)
 CHAT_FIELDS = ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
                "store", "metadata", "service_tier", "response_format", "tools", "tool_choice",
-               "parallel_tool_calls", *COMMON)
+               "parallel_tool_calls", "chat_template_kwargs", *COMMON)
 COMPLETION_NAMES = FieldNames(budget="max_tokens", min_tokens="min_tokens")
 CHAT_NAMES = FieldNames(budget="max_tokens", min_tokens="min_tokens", prompt="messages")
 #: a chat that sends the budget under its newer name (max_tokens may repeat it)
@@ -72,8 +74,17 @@ CHAT_NEW_NAMES = FieldNames(budget="max_completion_tokens", min_tokens="min_toke
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 MESSAGE_KEYS = ("role", "content", "name")
-#: what tool calling adds to a message: an assistant turn's calls, a tool result's call id
-TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
+#: what tool calling and thinking add to a message: an assistant turn's calls and reasoning
+#: (sent back as the answer gave it; Qwen3's template reads it), a tool result's call id
+TOOL_KEYS = {"assistant": ("tool_calls", "reasoning_content"), "tool": ("tool_call_id",)}
+#: what apply_chat_template or the template's own globals already name: a request's
+#: chat_template_kwargs may not replace them
+RESERVED_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception",
+    "strftime_now", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+    "cls_token", "mask_token", "additional_special_tokens"})
 #: the most alternatives per token (vLLM's default max_logprobs is 20)
 MAX_LOGPROBS = 20
 
@@ -118,7 +129,7 @@ class ChatRequest(OpenAIRequest):
     #: `response_format` as the constraint it asks for (handlers/structured/spec.py), as
     #: `params.sampling.grammar` holds it; None for text
     response_format: GrammarSpec | None = None
-    #: extra variables for the chat template (`chat_template_kwargs`; none accepted yet)
+    #: extra variables for the chat template (`chat_template_kwargs`); None: none sent
     template_kwargs: Mapping[str, Any] | None = None
 
 
@@ -269,7 +280,26 @@ def parse_chat(payload: Any, content_type: str, config: HandlerConfig) -> ChatRe
                            "send one of them")
     return ChatRequest(body.get("model"), params, stream, options, logprobs,
                        messages=messages, tools=tools, tool_turn=tool_turn,
-                       response_format=grammar)
+                       response_format=grammar,
+                       template_kwargs=template_kwargs(body.get("chat_template_kwargs")))
+
+
+def template_kwargs(value: Any) -> Mapping[str, Any] | None:
+    """A chat request's `chat_template_kwargs` (vLLM's field): more variables for the
+    template, such as Qwen3's {"enable_thinking": false}; none may replace what the
+    renderer passes itself."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError("chat_template_kwargs", "expected an object of template "
+                           "variables, such as {\"enable_thinking\": false}")
+    for key in value:
+        if not key.isidentifier() or key.startswith("_") or key in RESERVED_KWARGS:
+            raise RequestError(f"chat_template_kwargs.{key}", "not allowed: a template "
+                               "variable is a name (letters, digits, _) that the server "
+                               "does not set itself (messages, tools, add_generation_prompt, "
+                               "the special tokens...)")
+    return MappingProxyType(dict(value))
 
 
 def _content(value: Any, where: str) -> str:
@@ -308,6 +338,9 @@ def parse_messages(body: dict[str, Any]
         if extra:
             raise RequestError(f"{where}.{extra[0]}", f"not supported in a {role!r} message; "
                                f"it has {', '.join(allowed)}")
+        if not isinstance(message.get("reasoning_content", ""), (str, type(None))):
+            raise RequestError(f"{where}.reasoning_content", "expected a string (the "
+                               "reasoning of an earlier answer, as it came)")
         if message.get("tool_calls") is not None:
             tool_turn = tool_turn or f"{where}.tool_calls"
             entry = tool_calls.chat_message(message, where)
@@ -320,5 +353,7 @@ def parse_messages(body: dict[str, Any]
         chars += len(entry["content"])
         if role == "tool" and message.get("tool_call_id") is not None:
             entry["tool_call_id"] = str(message["tool_call_id"])
+        if isinstance(message.get("reasoning_content"), str):
+            entry["reasoning_content"] = message["reasoning_content"]
         out.append(entry)
     return tuple(out), tool_turn, chars
