@@ -1,34 +1,46 @@
-"""Llama checkpoints whose greedy answers are scripted: real models for a real server.
+"""Checkpoints whose greedy answers are scripted: real models for a real server.
 
-Tool calling can only be tested end to end with a model that answers with a tool call. A
-random tiny model never does, and no checkpoint may be downloaded, so this one is built
-to: every layer's output projections are zero, so the residual stream carries the last
-token's embedding unchanged to the final norm and the LM head; embeddings are one-hot, so
-the next token is a function of the current one alone (a bigram table, `NEXT`). The
-word-level tokenizer makes each piece of the scripted answers one token, so every token
-of an answer is distinct and the chain runs to EOS. Its chat template has a tool format
-in the manner of Llama 3.1 (tool definitions as JSON in the first user turn, calls as
-`{"name", "parameters"}`, results under an `ipython` header), with one scripted twist: the
-generation prompt after a tool result is `<answer>`, so the same model answers the tool
-result in prose rather than calling again.
+Tool calling and reasoning can only be tested end to end with a model that answers with a
+tool call or thinks aloud. A random tiny model never does, and no checkpoint may be
+downloaded, so these are built to: every layer's output projections are zero, so the
+residual stream carries the last token's embedding unchanged to the final norm and the LM
+head; embeddings are one-hot, so the next token is a function of the current one alone (a
+bigram table, `Script.next`). The word-level tokenizer makes each piece of the scripted
+answers one token (decoded joined by spaces), so every token of an answer is distinct and
+the chain runs to EOS. Each family's script is built with that family's transformers class
+and special tokens (but Qwen2.5's, see SCRIPTS):
+
+- `llama`: a chat template in the manner of Llama 3.1 (tool definitions as JSON in the
+  first user turn, calls as `{"name", "parameters"}`, results under an `ipython` header),
+  with one scripted twist: the generation prompt after a tool result is `<answer>`, so the
+  same model answers the tool result in prose rather than calling again.
+- `qwen2.5`, `qwen3`, `mistral`: the family's published chat template (the presets of
+  handlers/presets, verbatim from the Hub), so the tool format is found the way a real
+  checkpoint's is. Qwen2.5 answers its generation prompt (`<|im_start|>assistant`) with a
+  `<tool_call>`; Mistral v0.3 answers `[/INST]` with `[TOOL_CALLS] [...]`, whose control
+  token is special, as in Mistral's tokenizer (the served text lacks it); Qwen3 thinks
+  between `<think>` and `</think>` and then answers, and with `enable_thinking: false`
+  (its template closes an empty block, ending the prompt with `</think>`) answers at once.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CALL = ['{"name":', '"get_weather",', '"parameters":', '{"city":', '"Paris"}}']
 PROSE = ["It", "is", "sunny", "in", "Paris."]
 PLAIN = ["Hello", "from", "a", "plain", "chat."]
+THOUGHT = ["The", "user", "wants", "the", "weather."]
+QWEN_CALL = ["<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":',
+             '"Paris"}}', "</tool_call>"]
+MISTRAL_CALL = ["[TOOL_CALLS]", '[{"name":', '"get_weather",', '"arguments":', '{"city":',
+                '"Paris"}}]']
 SPECIAL = ["<unk>", "<s>", "</s>"]
 MARKERS = ["<user>", "<system>", "<assistant>", "<answer>", "<ipython>", "<eot>", "[INST]",
            "[/INST]", "Functions:"]
 WORDS = SPECIAL + MARKERS + CALL + PROSE + PLAIN
-#: the next token after each token, greedy; every other token is followed by EOS
-NEXT = {"<assistant>": CALL[0], **dict(zip(CALL, CALL[1:], strict=False)),
-        "<answer>": PROSE[0], **dict(zip(PROSE, PROSE[1:], strict=False)),
-        "[/INST]": PLAIN[0], **dict(zip(PLAIN, PLAIN[1:], strict=False))}
 TOOL_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}"
@@ -47,27 +59,102 @@ TOOL_TEMPLATE = (
     "{% endif %}{% endif %}")
 
 
-def build_scripted_checkpoint(out: Path) -> Path:
-    """Write the scripted model (config, safetensors, tokenizer with TOOL_TEMPLATE) to `out`."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def chain(*runs: list[str], after: str) -> dict[str, str]:
+    """`after` -> the first word of the joined runs, each word -> the next; the last word
+    is followed by EOS (no entry)."""
+    words = [w for run in runs for w in run]
+    return {after: words[0], **dict(zip(words, words[1:], strict=False))}
 
-    vocab = {w: i for i, w in enumerate(WORDS)}
+
+@dataclass(frozen=True)
+class Script:
+    """One family's scripted checkpoint: its transformers class, chat template (inline
+    Jinja or a preset name), tokens and greedy chains."""
+
+    model_type: str
+    template: str
+    words: tuple[str, ...]  # the vocabulary, special tokens first
+    next: dict[str, str]
+    bos: str | None = "<s>"
+    eos: str = "</s>"
+    special: tuple[str, ...] = ()  # dropped from decoded text besides bos/eos/unk
+    added: tuple[str, ...] = ()  # matched whole in text, decoded as text
+    extra: dict = field(default_factory=dict)  # more config keys
+
+    def chat_template(self) -> str:
+        from handlers.presets.chat_templates import PRESETS
+
+        return PRESETS.get(self.template, self.template)
+
+
+QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+SCRIPTS = {
+    "llama": Script("llama", TOOL_TEMPLATE, tuple(WORDS), {
+        **chain(CALL, after="<assistant>"), **chain(PROSE, after="<answer>"),
+        **chain(PLAIN, after="[/INST]")}),
+    # Llama's class: transformers 5 reads a qwen2 checkpoint's tokenizer as Qwen2Tokenizer,
+    # a byte-level BPE with its own pre-tokenizer, which no word-level vocabulary can be
+    "qwen2.5": Script("llama", "qwen2.5", ("<unk>", *QWEN_SPECIAL, "assistant", *QWEN_CALL),
+                      chain(QWEN_CALL, after="assistant"), bos=None, eos="<|im_end|>",
+                      special=QWEN_SPECIAL, added=("<tool_call>", "</tool_call>")),
+    "qwen3": Script("qwen3", "qwen3", ("<unk>", *QWEN_SPECIAL, "assistant", "<think>",
+                                       "</think>", *THOUGHT, *PROSE),
+                    chain(["<think>"], THOUGHT, ["</think>"], PROSE, after="assistant"),
+                    bos=None, eos="<|im_end|>",
+                    special=QWEN_SPECIAL, added=("<think>", "</think>"),
+                    extra={"head_dim": 16}),
+    "mistral": Script("mistral", "mistral", (*SPECIAL, "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
+                                             "[/AVAILABLE_TOOLS]", *MISTRAL_CALL),
+                      chain(MISTRAL_CALL, after="[/INST]"),
+                      special=("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                               "[/AVAILABLE_TOOLS]"), extra={"sliding_window": None}),
+}
+#: the transformers classes a model_type is built with
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+           "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
+def build_tokenizer(script: Script):
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(script.words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decode joins words with a space
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>", model_max_length=256,
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=script.bos,
+                                        eos_token=script.eos, unk_token="<unk>",
+                                        model_max_length=256,
                                         clean_up_tokenization_spaces=False)
-    tokenizer.chat_template = TOOL_TEMPLATE
+    if script.special:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(script.special)})
+    if script.added:
+        tokenizer.add_tokens([AddedToken(w, special=False, normalized=False)
+                              for w in script.added])
+    tokenizer.chat_template = script.chat_template()
+    return tokenizer
+
+
+def build_scripted_checkpoint(out: Path, family: str = "llama") -> Path:
+    """Write the scripted model of `family` (config, safetensors, tokenizer with its chat
+    template) to `out`."""
+    import torch
+    import transformers
+
+    script = SCRIPTS[family]
+    tokenizer = build_tokenizer(script)
+    vocab = {w: i for i, w in enumerate(script.words)}
+    assert len(tokenizer) == len(vocab), "every token is a word of the vocabulary"
     size = 32  # hidden size: at least the vocabulary, for one-hot embeddings
-    config = LlamaConfig(vocab_size=size, hidden_size=size, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=256, bos_token_id=vocab["<s>"],
-                         eos_token_id=vocab["</s>"], tie_word_embeddings=False,
-                         torch_dtype="float32")
-    model = LlamaForCausalLM(config).eval()
-    eos = vocab["</s>"]
+    config_class, model_class = (getattr(transformers, n) for n in CLASSES[script.model_type])
+    eos = vocab[script.eos]
+    config = config_class(vocab_size=size, hidden_size=size, intermediate_size=64,
+                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                          max_position_embeddings=256,
+                          bos_token_id=vocab[script.bos] if script.bos else None,
+                          eos_token_id=eos, tie_word_embeddings=False,
+                          torch_dtype="float32", **script.extra)
+    model = model_class(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:  # the residual stream passes through untouched
             layer.self_attn.o_proj.weight.zero_()
@@ -75,7 +162,7 @@ def build_scripted_checkpoint(out: Path) -> Path:
         model.model.embed_tokens.weight.copy_(torch.eye(size))
         head = torch.zeros(size, size)
         for word, i in vocab.items():
-            head[vocab[NEXT[word]] if word in NEXT else eos, i] = 1.0
+            head[vocab[script.next[word]] if word in script.next else eos, i] = 1.0
         for i in range(len(vocab), size):  # ids past the words: EOS too
             head[eos, i] = 1.0
         model.lm_head.weight.copy_(head * 8)
@@ -83,7 +170,7 @@ def build_scripted_checkpoint(out: Path) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TOOL_TEMPLATE  # inline: what transformers < 4.47 reads
+    cfg["chat_template"] = tokenizer.chat_template  # inline: what transformers < 4.47 reads
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     (out / "chat_template.jinja").unlink(missing_ok=True)
     return out

@@ -1,13 +1,16 @@
-"""Tool calling and structured outputs through a real TorchServe, with the official
-`openai` client.
+"""Tool calling, reasoning and structured outputs through a real TorchServe, with the
+official `openai` client.
 
-The model is tests/scripted_checkpoint.py's: a real Llama checkpoint whose greedy answer
-to its tool-format prompt is a JSON call of `get_weather`, and to a tool result a sentence.
-Served twice in one TorchServe: with its own template (a tool format) and with the
-llama-2 preset (none), which must answer a request carrying tools as plain chat. Beside
-them, the JSON checkpoint (the tiny demo model's vocabulary, logits leaning to JSON
-punctuation and EOS) answers the schema corpus (tests/data/structured) under
-`response_format`, streamed and not, and every function schema as a forced tool call.
+The models are tests/scripted_checkpoint.py's: real checkpoints whose greedy answers are
+scripted. The Llama one answers its tool-format prompt with a JSON call of `get_weather`
+and a tool result with a sentence; it is served twice: with its own template (a tool
+format) and with the llama-2 preset (none), which must answer a request carrying tools as
+plain chat. The Qwen2.5 and Mistral v0.3 ones, under their families' published templates
+(Qwen2.5's through the `qwen2.5` preset), call `get_weather` in their own formats; the
+Qwen3 one thinks before it answers, unless `enable_thinking` is false. Beside them, the
+JSON checkpoint (the tiny demo model's vocabulary, logits leaning to JSON punctuation and
+EOS) answers the schema corpus (tests/data/structured) under `response_format`, streamed
+and not, and every function schema as a forced tool call. Six archives, one TorchServe.
 """
 
 from __future__ import annotations
@@ -20,8 +23,13 @@ import httpx
 import jsonschema
 import pytest
 
+from handlers.presets.chat_templates import PRESETS
 from tests.e2e.harness import ArchiveSpec, attach_logs_fixture, build_store, running_server
-from tests.scripted_checkpoint import build_json_checkpoint, build_scripted_checkpoint
+from tests.scripted_checkpoint import (
+    TOOL_TEMPLATE,
+    build_json_checkpoint,
+    build_scripted_checkpoint,
+)
 from tests.structured_walk import corpus, corpus_tools
 
 pytestmark = pytest.mark.e2e
@@ -29,6 +37,11 @@ TOOLS_MODEL, PLAIN_MODEL, JSON_MODEL = "scripted-tools", "scripted-plain", "scri
 #: the JSON model serves the corpus: named tools' prompts hold one schema each
 JSON_HANDLER = {"max_length": 2048, "max_new_tokens_limit": 200, "threads": 1,
                 "chat_template": "", "batch_size": 8}
+#: served name -> (scripted family, chat_template): Qwen2.5's through the preset (the
+#: archive's own copy of the published template), the others through their checkpoints'
+FAMILIES = {"scripted-qwen": ("qwen2.5", "qwen2.5"), "scripted-mistral": ("mistral", ""),
+            "scripted-qwen3": ("qwen3", "")}
+QWEN3_MODEL = "scripted-qwen3"
 HANDLER = {"max_length": 256, "max_new_tokens_limit": 64, "threads": 1, "chat_template": ""}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -46,7 +59,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         ArchiveSpec(PLAIN_MODEL, handler={**HANDLER, "chat_template": "llama-2"})])
     build_store(root, build_json_checkpoint(root / "json"),  # the same store
                 [ArchiveSpec(JSON_MODEL, handler=JSON_HANDLER)])
-    with running_server(store, root / "run", [TOOLS_MODEL, PLAIN_MODEL, JSON_MODEL],
+    for name, (family, template) in FAMILIES.items():
+        build_store(root, build_scripted_checkpoint(root / family, family),
+                    [ArchiveSpec(name, handler={**HANDLER, "chat_template": template})])
+    with running_server(store, root / "run", [TOOLS_MODEL, PLAIN_MODEL, JSON_MODEL,
+                                              *FAMILIES],
                         openai_port=0) as srv:
         yield srv
 
@@ -108,6 +125,75 @@ def test_a_streamed_tool_call_arrives_as_deltas_with_no_content(server, options)
     assert content == "" and reasons == ["tool_calls"]
 
 
+def streamed_calls(stream) -> tuple[list[str], str, list[str], str, list]:
+    """(names, arguments, ids, content, finish reasons) of a streamed chat answer."""
+    names, arguments, ids, content, reasons = [], "", [], "", []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            names += [call.function.name] if call.function.name else []
+            ids += [call.id] if call.id else []
+            arguments += call.function.arguments or ""
+        reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    return names, arguments, ids, content, reasons
+
+
+@pytest.mark.parametrize("model", ["scripted-qwen", "scripted-mistral"])
+def test_qwen_and_mistral_call_tools_in_their_own_formats(server, model) -> None:
+    """The format follows the checkpoint's template: Qwen2.5's <tool_call> tags, Mistral
+    v0.3's [TOOL_CALLS] list (the control token is special, so the text served lacks it),
+    each call with an id the template takes back (Mistral's: 9 letters and digits)."""
+    openai = client(server, model)
+    answer = openai.chat.completions.create(model=model, messages=ASK, tools=[WEATHER],
+                                            temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    names, arguments, ids, content, reasons = streamed_calls(openai.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER], temperature=0, stream=True))
+    assert names == ["get_weather"] and json.loads(arguments) == {"city": "Paris"}
+    assert content == "" and reasons == ["tool_calls"]
+    if model == "scripted-mistral":
+        assert all(len(i) == 9 and i.isalnum() for i in [call.id, *ids])
+
+
+def test_a_qwen3_answer_comes_back_as_reasoning_and_content(server) -> None:
+    """The word-level tokenizer decodes its words joined by spaces: hence the blanks."""
+    openai = client(server, QWEN3_MODEL)
+    message = openai.chat.completions.create(model=QWEN3_MODEL, messages=ASK,
+                                             temperature=0).choices[0].message
+    assert message.reasoning_content == " The user wants the weather. "
+    assert message.content == " It is sunny in Paris."
+    reasoning, content, first = "", "", None
+    for chunk in openai.chat.completions.create(model=QWEN3_MODEL, messages=ASK,
+                                                temperature=0, stream=True):
+        delta = chunk.choices[0].delta
+        first = first or ("reasoning" if getattr(delta, "reasoning_content", None) else
+                          "content" if delta.content else None)
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+    assert (first, reasoning, content) == ("reasoning", message.reasoning_content,
+                                           message.content)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_enable_thinking_false_answers_without_reasoning(server, stream) -> None:
+    """The template closes an empty thinking block in the prompt; the model answers."""
+    answer = client(server, QWEN3_MODEL).chat.completions.create(
+        model=QWEN3_MODEL, messages=ASK, temperature=0, stream=stream,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    if not stream:
+        message = answer.choices[0].message
+        assert message.content == "It is sunny in Paris." and message.reasoning_content is None
+        return
+    deltas = [chunk.choices[0].delta for chunk in answer]
+    assert "".join(d.content or "" for d in deltas) == "It is sunny in Paris."
+    assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+
+
 def test_without_a_tool_format_auto_is_plain_chat_and_required_is_a_400(server) -> None:
     openai = client(server, PLAIN_MODEL)
     plain = openai.chat.completions.create(model=PLAIN_MODEL, messages=ASK, tools=[WEATHER],
@@ -138,7 +224,8 @@ def test_one_base_url_lists_every_model_and_chats_with_each(server) -> None:
     assert server.openai_url.endswith("/v1")
     openai = OpenAI(base_url=server.openai_url, api_key=server.inference_token, max_retries=0,
                     timeout=60)
-    assert sorted(m.id for m in openai.models.list()) == [JSON_MODEL, PLAIN_MODEL, TOOLS_MODEL]
+    assert sorted(m.id for m in openai.models.list()) == sorted([JSON_MODEL, PLAIN_MODEL,
+                                                                 TOOLS_MODEL, *FAMILIES])
     plain = openai.chat.completions.create(model=PLAIN_MODEL, messages=ASK, temperature=0)
     assert plain.choices[0].message.content == "Hello from a plain chat."
     stream = openai.chat.completions.create(model=TOOLS_MODEL, messages=ASK, tools=[WEATHER],
@@ -150,11 +237,16 @@ def test_one_base_url_lists_every_model_and_chats_with_each(server) -> None:
         OpenAI(base_url=server.openai_url, api_key="wrong", max_retries=0).models.list()
 
 
-def test_scripted_checkpoint_is_a_plain_llama(tmp_path: Path) -> None:
-    """The files are what a hub Llama checkpoint holds, so packaging checks treat it as one."""
-    out = build_scripted_checkpoint(tmp_path / "s")
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
-    assert "tools" in json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+@pytest.mark.parametrize("family, model_type, template", [
+    ("llama", "llama", TOOL_TEMPLATE), ("qwen2.5", "llama", PRESETS["qwen2.5"]),
+    ("qwen3", "qwen3", PRESETS["qwen3"]), ("mistral", "mistral", PRESETS["mistral"])])
+def test_scripted_checkpoints_are_hub_checkpoints(tmp_path: Path, family, model_type,
+                                                  template) -> None:
+    """The files are what a hub checkpoint holds, so packaging checks treat them as one,
+    with the family's published template."""
+    out = build_scripted_checkpoint(tmp_path / "s", family)
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == template
 
 
 # --- structured outputs: the corpus through the JSON model ---
