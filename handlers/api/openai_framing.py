@@ -71,6 +71,13 @@ class ResponseMeta:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
+def reasoning_fields(text: str | None) -> dict[str, str | None]:
+    """The reasoning under both names clients read: `reasoning_content` (DeepSeek's, vLLM's
+    until 0.16, Open WebUI's) and `reasoning` (OpenAI's advice for chat completions, vLLM's
+    from 0.17); vLLM sent both while it moved from one to the other."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
 def completion_logprobs(meta: ResponseMeta, event: FinishEvent) -> dict | None:
     """Completions' shape: {tokens, token_logprobs, top_logprobs, text_offset}; each
     top_logprobs entry maps token text to logprob and holds the chosen token too (as vLLM
@@ -154,8 +161,8 @@ class OpenAIJsonFramer(OpenAIErrorFramer):
             if calls:  # OpenAI: content null beside the calls; vLLM: finish "tool_calls"
                 message, reason = {"role": "assistant", "content": None,
                                    "tool_calls": calls}, "tool_calls"
-            if meta.reasoning:  # vLLM's field, null when the answer did not think
-                message["reasoning_content"] = reasoning
+            if meta.reasoning:  # null when the answer did not think
+                message.update(reasoning_fields(reasoning))
             choice = {"index": 0, "message": message,
                       "logprobs": chat_logprobs(meta, event), "finish_reason": reason}
             obj = meta.head("chat.completion")
@@ -222,7 +229,7 @@ class OpenAISseFramer(OpenAIErrorFramer):
                        for kind, text in pieces)
 
     def _reasoning(self, text: str) -> str:
-        delta: dict[str, str] = {"reasoning_content": text}
+        delta: dict[str, str] = reasoning_fields(text)
         if not self.role_sent:
             delta = {"role": "assistant", **delta}
             self.role_sent = True

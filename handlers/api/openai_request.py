@@ -75,8 +75,10 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
          "tool": "tool"}
 MESSAGE_KEYS = ("role", "content", "name")
 #: what tool calling and thinking add to a message: an assistant turn's calls and reasoning
-#: (sent back as the answer gave it; Qwen3's template reads it), a tool result's call id
-TOOL_KEYS = {"assistant": ("tool_calls", "reasoning_content"), "tool": ("tool_call_id",)}
+#: (sent back as the answer gave it, under either name; Qwen3's template reads it as
+#: reasoning_content), a tool result's call id
+TOOL_KEYS = {"assistant": ("tool_calls", "reasoning_content", "reasoning"),
+             "tool": ("tool_call_id",)}
 #: what apply_chat_template or the template's own globals already name: a request's
 #: chat_template_kwargs may not replace them
 RESERVED_KWARGS = frozenset({
@@ -338,22 +340,31 @@ def parse_messages(body: dict[str, Any]
         if extra:
             raise RequestError(f"{where}.{extra[0]}", f"not supported in a {role!r} message; "
                                f"it has {', '.join(allowed)}")
-        if not isinstance(message.get("reasoning_content", ""), (str, type(None))):
-            raise RequestError(f"{where}.reasoning_content", "expected a string (the "
-                               "reasoning of an earlier answer, as it came)")
+        reasoning = _reasoning(message, where)
         if message.get("tool_calls") is not None:
             tool_turn = tool_turn or f"{where}.tool_calls"
             entry = tool_calls.chat_message(message, where)
-            chars += len(entry["content"])
-            out.append(entry)
-            continue
-        if role == "tool":
-            tool_turn = tool_turn or f"{where}.role"
-        entry = {"role": ROLES[role], "content": _content(message.get("content"), where)}
+        else:
+            if role == "tool":
+                tool_turn = tool_turn or f"{where}.role"
+            entry = {"role": ROLES[role], "content": _content(message.get("content"), where)}
+            if role == "tool" and message.get("tool_call_id") is not None:
+                entry["tool_call_id"] = str(message["tool_call_id"])
         chars += len(entry["content"])
-        if role == "tool" and message.get("tool_call_id") is not None:
-            entry["tool_call_id"] = str(message["tool_call_id"])
-        if isinstance(message.get("reasoning_content"), str):
-            entry["reasoning_content"] = message["reasoning_content"]
+        if reasoning is not None:
+            entry["reasoning_content"] = reasoning
         out.append(entry)
     return tuple(out), tool_turn, chars
+
+
+def _reasoning(message: dict[str, Any], where: str) -> str | None:
+    """An assistant turn's reasoning as a client sends it back, under either name the
+    answers carry (handlers/api/openai_framing.reasoning_fields)."""
+    found = None
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            raise RequestError(f"{where}.{key}", "expected a string (the reasoning of an "
+                               "earlier answer, as it came)")
+        found = found if found is not None else value
+    return found

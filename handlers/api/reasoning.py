@@ -3,8 +3,9 @@
 
 Qwen3 (and QwQ, DeepSeek-R1-Distill-Qwen) think between `<think>` and `</think>` before
 they answer. OpenAI-compatible servers return the thinking as `reasoning_content` beside
-`content` -- `message.reasoning_content` whole, `delta.reasoning_content` streamed -- as
-vLLM's `qwen3` reasoning parser does (vllm-project/vllm@693e2a4:vllm/reasoning/
+`content` -- `message.reasoning_content` whole, `delta.reasoning_content` streamed, and
+under `reasoning` too (openai_framing.reasoning_fields) -- as vLLM's `qwen3` reasoning
+parser does (vllm-project/vllm@693e2a4:vllm/reasoning/
 qwen3_reasoning_parser.py `extract_reasoning`: the text before `</think>` is reasoning, the
 rest content; basic_parsers.py `extract_reasoning_streaming` the same per delta), and Open
 WebUI shows it folded above the answer.

@@ -117,10 +117,7 @@ def chat_message(message: dict[str, Any], where: str) -> dict[str, Any]:
             raise RequestError(f"{at}.function.arguments", "expected a JSON object")
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": fn["name"], "arguments": arguments}})
-    turn = {"role": "assistant", "content": message.get("content") or "", "tool_calls": out}
-    if isinstance(message.get("reasoning_content"), str):
-        turn["reasoning_content"] = message["reasoning_content"]
-    return turn
+    return {"role": "assistant", "content": message.get("content") or "", "tool_calls": out}
 
 
 def call_reader(tokenizer: Any, setting: str, tools: list[dict[str, Any]]) -> ToolCallReader:

@@ -87,10 +87,14 @@ def test_an_answers_reasoning_goes_back_through_the_template(tokenizer) -> None:
                 {"role": "tool", "tool_call_id": "c1", "content": "22 C"}]
     prompt = chat(tokenizer, {"messages": messages, "tools": [WEATHER]}).request.prompt
     assert "<think>\nIt needs the tool.\n</think>" in prompt and "<tool_response>" in prompt
-    with pytest.raises(RequestError) as info:
-        chat(tokenizer, {"messages": [*ASK, {"role": "assistant", "content": "x",
-                                            "reasoning_content": 3}, *ASK]})
-    assert info.value.field == "messages[1].reasoning_content"
+    messages[1] = {**messages[1], "reasoning_content": None, "reasoning": "As vLLM 0.17 names it."}
+    prompt = chat(tokenizer, {"messages": messages, "tools": [WEATHER]}).request.prompt
+    assert "<think>\nAs vLLM 0.17 names it.\n</think>" in prompt
+    for key in ("reasoning_content", "reasoning"):
+        with pytest.raises(RequestError) as info:
+            chat(tokenizer, {"messages": [*ASK, {"role": "assistant", "content": "x", key: 3},
+                                          *ASK]})
+        assert info.value.field == f"messages[1].{key}"
 
 
 # --- reading an answer ---
@@ -137,13 +141,14 @@ def test_whole_and_streamed_answers_carry_reasoning_content() -> None:
     body = json.loads(OpenAIJsonFramer(THINKING).final(finish(text, "stop")))
     assert body["choices"][0]["message"] == {
         "role": "assistant", "reasoning_content": "\nThe user wants the weather.\n",
-        "content": "\n\nIt is sunny."}
+        "reasoning": "\nThe user wants the weather.\n", "content": "\n\nIt is sunny."}
     framer = OpenAISseFramer(THINKING)
     wire = "".join(framer.chunk(p) for p in ["<think>", "\nThe user", " wants the weather.\n",
                                              "</think>", "\n\nIt is", " sunny."])
     deltas = [e["choices"][0]["delta"] for e in sse_events(wire + framer.final(
         finish(text, "stop")))]
-    assert deltas[0] == {"role": "assistant", "reasoning_content": "\nThe user"}
+    assert deltas[0] == {"role": "assistant", "reasoning_content": "\nThe user",
+                         "reasoning": "\nThe user"}
     assert [d.get("reasoning_content") for d in deltas[1:3]] == [" wants the weather.\n", None]
     assert "".join(d.get("content") or "" for d in deltas) == "\n\nIt is sunny."
 
@@ -179,6 +184,7 @@ def read_sse(wire: str) -> tuple[str, str, list, str]:
     for event in sse_events(wire):
         for choice in event["choices"]:
             delta = choice["delta"]
+            assert delta.get("reasoning") == delta.get("reasoning_content")
             reasoning += delta.get("reasoning_content") or ""
             content += delta.get("content") or ""
             calls += [c["function"]["name"] for c in delta.get("tool_calls") or ()]
@@ -199,7 +205,7 @@ def test_no_answer_fails_and_streamed_reads_as_whole(text, start, tools, data) -
     meta = ResponseMeta("chatcmpl-x", 0, "m", chat=True, reasoning=start, tool_calls=reader)
     choice = json.loads(OpenAIJsonFramer(meta).final(finish(text, "length")))["choices"][0]
     message = choice["message"]
-    assert message["reasoning_content"] == reasoning
+    assert message["reasoning_content"] == message["reasoning"] == reasoning
     framer = OpenAISseFramer(meta)
     wire = "".join(framer.chunk(piece) for piece in splits(text, data.draw))
     wire += framer.final(finish(text, "length"))
