@@ -136,22 +136,25 @@ class ChatCompletionsApi:
         meta = _meta(request, model, True, service.tokenizer, tool_calls=reader,
                      reasoning=prompt.reasoning)
         if reader is not None and request.tools.forced:
-            request = forced_calls(request, tools, reader, service)
+            request = forced_calls(request, tools, reader, service, prompt.reasoning)
         return _prepared(request, prompt.text, prompt.ids, meta, service)
 
 
 def forced_calls(request: ChatRequest, tools: list[dict[str, Any]], reader: Any,
-                 service: Any) -> ChatRequest:
+                 service: Any, reasoning: str | None = None) -> ChatRequest:
     """`tool_choice` "required" or a named function, enforced: the answer's grammar is one
     or more calls of the offered functions (one call of the named one), each call's
-    arguments valid for its `parameters`, in the format the template teaches -- so the
-    reader takes the answer as calls, and the finish reason is "tool_calls"."""
+    arguments valid for its `parameters`, in the format the template teaches (Llama's JSON,
+    Qwen's tags, Mistral's list or name[ARGS]) -- so the reader takes the answer as calls,
+    and the finish reason is "tool_calls". A thinking template's answer may think first
+    (`reasoning`: where its answer starts), as the reasoning reader expects."""
     asked = request.tools
     fmt = reader.parser.grammar
     if fmt is None:
         raise RequestError("tool_choice", f"the chat template's tool-call format "
                            f"({reader.parser.name}, {type(reader.parser).__name__}) cannot be "
                            "forced by a grammar; send tool_choice \"auto\"")
+    fmt = replace(fmt, reasoning=reasoning if reasoning in ("inside", "auto") else None)
     if asked.named:
         fmt = replace(fmt, separator=None)
     grammar = forced_tool_call(tools, asked.choice if asked.named else None, fmt)

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -78,8 +78,9 @@ def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int,
         return from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_ids[0])
 
 
-def grammar_text(spec: GrammarSpec) -> str:
-    """llguidance's grammar for a spec (no tokenizer needed)."""
+def grammar_text(spec: GrammarSpec, special: Mapping[str, int] | None = None) -> str:
+    """llguidance's grammar for a spec (`special`: the tokenizer's special tokens by text,
+    which a tool-call format may name)."""
     import llguidance
 
     # strict: every keyword enforced or a 400; otherwise the rest approximated (unknown
@@ -92,7 +93,7 @@ def grammar_text(spec: GrammarSpec) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(
             spec.schema, defaults={**JSON_OPTIONS, **strict})
     if spec.kind == TOOL_CALLS:
-        return llguidance.LLMatcher.grammar_from_lark(tool_call_lark(spec))
+        return llguidance.LLMatcher.grammar_from_lark(tool_call_lark(spec, special))
     raise ValueError(f"unknown grammar kind {spec.kind!r}")
 
 
@@ -108,21 +109,76 @@ def tool_call_schema(spec: GrammarSpec) -> dict[str, Any]:
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def tool_call_lark(spec: GrammarSpec) -> str:
-    """Lark text: the family's opening, one call or one or more joined by its separator,
-    its closing."""
+def tool_call_lark(spec: GrammarSpec, special: Mapping[str, int] | None = None) -> str:
+    """Lark text: the thinking the prompt leaves room for, the family's opening, one call or
+    one or more joined by its separator, its closing. `special`: the tokenizer's special
+    tokens by text, which a literal never matches in llguidance, so the format's text that
+    is one of them is written as that token (`<[id]>`)."""
     fmt = spec.tool_format
+
+    def lit(text: str) -> str:
+        return _literal(text, special or {})
+
     options = {**JSON_OPTIONS, "lenient": not spec.strict, "coerce_one_of": not spec.strict}
-    body = json.dumps({**tool_call_schema(spec), "x-guidance": options})
-    call = " ".join(_literals(fmt.prefix, f"%json {body}", fmt.suffix))
-    calls = "call" if fmt.separator is None else f"call ({json.dumps(fmt.separator)} call)*"
-    return f"start: {' '.join(_literals(fmt.start, calls, fmt.end))}\ncall: {call}\n"
+    if fmt.args_marker is None:  # each call one JSON object
+        body = json.dumps({**tool_call_schema(spec), "x-guidance": options})
+        call = _seq(lit(fmt.prefix), f"%json {body}", lit(fmt.suffix))
+    else:  # name, marker, arguments object: one alternative per function
+        calls = [_seq(json.dumps(name), lit(fmt.args_marker),
+                      f"%json {json.dumps({**params, 'x-guidance': options})}")
+                 for name, params in json.loads(spec.schema)]
+        call = _seq(lit(fmt.prefix), f"({' | '.join(calls)})", lit(fmt.suffix))
+    if fmt.separator is None:
+        calls_rule = "call"
+    elif fmt.separator == "":
+        calls_rule = "call+"
+    else:
+        calls_rule = f"call ({lit(fmt.separator)} call)*"
+    think = {"inside": "think BLANKS",
+             "auto": f"({lit(THINK)} think BLANKS)?"}.get(fmt.reasoning or "", "")
+    rules = [f"start: {_seq(think, lit(fmt.start), calls_rule, lit(fmt.end))}",
+             f"call: {call}"]
+    if think:  # any text, ended by the first </think> (lazy: the shortest match)
+        rules += ["think[lazy]: /(?s:.*)<\\/think>/", "BLANKS: /[ \\t\\r\\n]*/"]
+    return "\n".join(rules) + "\n"
 
 
-def _literals(before: str, rule: str, after: str) -> list[str]:
-    """`rule` between two Lark string literals, empty ones left out."""
-    return [part for part in (json.dumps(before) if before else "", rule,
-                              json.dumps(after) if after else "") if part]
+THINK = "<think>"
+
+
+def _seq(*parts: str) -> str:
+    return " ".join(p for p in parts if p)
+
+
+def _literal(text: str, special: Mapping[str, int]) -> str:
+    """`text` as Lark: string literals, and `<[id]>` for each special token's text in it."""
+    parts, plain, at = [], "", 0
+    names = sorted((n for n in special if n and n in text), key=len, reverse=True)
+    while at < len(text):
+        name = next((n for n in names if text.startswith(n, at)), None)
+        if name is None:
+            plain += text[at]
+            at += 1
+            continue
+        if plain:
+            parts.append(json.dumps(plain))
+            plain = ""
+        parts.append(f"<[{special[name]}]>")
+        at += len(name)
+    if plain:
+        parts.append(json.dumps(plain))
+    return " ".join(parts)
+
+
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """The llguidance tokenizer's special tokens by text (Mistral's [TOOL_CALLS], ...)."""
+    out = {}
+    for i in range(tokenizer.vocab_size):
+        if tokenizer.is_special_token(i):
+            name = tokenizer.decode_bytes([i]).decode("utf-8", "replace")
+            if len(name) > 1:
+                out.setdefault(name, i)
+    return out
 
 
 @dataclass
@@ -150,6 +206,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="inf2serve-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._special: dict[str, int] | None = None
         self.max_entries = max_entries
         self.timeout_s = timeout_s
 
@@ -206,11 +263,12 @@ class GrammarCompiler:
         import llguidance
 
         start = time.perf_counter()
+        tokenizer = self.tokenizer()
+        special = self._special_tokens(tokenizer) if spec.kind == TOOL_CALLS else None
         try:
-            text = grammar_text(spec)
+            text = grammar_text(spec, special)
         except ValueError as exc:  # not a JSON object, which spec.py already rules out
             raise RequestError(spec.field, f"not a JSON schema: {exc}") from exc
-        tokenizer = self.tokenizer()
         bounds = limits()
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             text, tokenizer, limits=bounds)
@@ -222,6 +280,12 @@ class GrammarCompiler:
         seconds = time.perf_counter() - start
         logger.info("compiled a %s grammar in %.3f s", spec.kind, seconds)
         return Compiled(spec.key, matcher, seconds)
+
+    def _special_tokens(self, tokenizer: Any) -> dict[str, int]:
+        with self._lock:  # one scan of the vocabulary per model (~30 ms at 150k tokens)
+            if self._special is None:
+                self._special = special_tokens(tokenizer)
+            return self._special
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -40,10 +40,19 @@ FORMAT_TYPES = ("text", JSON_OBJECT, JSON_SCHEMA)
 class ToolCallFormat:
     """How one model family writes tool calls, the one statement of it that both the grammar
     forcing a call and the tests' scripted answers are built from: `start`, then each call
-    as `prefix + {"<name_key>": "<name>", "<args_key>": {...}} + suffix`, calls joined by
+    as `prefix + {"<name_key>": "<name>", "<args_key>": {...}} + suffix` -- or, with an
+    `args_marker`, as `prefix + name + args_marker + {...} + suffix` --, calls joined by
     `separator` (None: one call only), then `end`. Llama 3.1's JSON format is the default;
     Qwen's is `<tool_call>` tags around each call, Mistral v0.3's one `[TOOL_CALLS] [...]`
-    list."""
+    list, Mistral v11's `[TOOL_CALLS]name[ARGS]{...}` per call. Text that is a special
+    token of the model's tokenizer (Mistral's `[TOOL_CALLS]`, `[ARGS]`) is forced as that
+    token, as the model writes it.
+
+    `reasoning` is the request's, not the family's: where a thinking template's answer
+    starts (handlers/api/reasoning.py): "inside" its reasoning (any text up to `</think>`
+    comes before the calls), "auto" (an optional `<think>...</think>` block may), or None
+    (the calls come first) -- the model thinks before it is held to the calls, as vLLM
+    applies a grammar only after the reasoning ends."""
 
     name_key: str = "name"
     args_key: str = "parameters"
@@ -52,13 +61,18 @@ class ToolCallFormat:
     separator: str | None = None
     start: str = ""
     end: str = ""
+    args_marker: str | None = None
+    reasoning: str | None = None
 
     def render(self, calls: Sequence[Any]) -> str:
         """The answer text of a model calling `calls` (each with .name and .arguments)."""
-        body = (self.separator or "").join(
-            self.prefix + json.dumps({self.name_key: c.name, self.args_key: c.arguments},
-                                     ensure_ascii=False) + self.suffix
-            for c in calls)
+        def one(c: Any) -> str:
+            if self.args_marker is not None:
+                return c.name + self.args_marker + json.dumps(c.arguments, ensure_ascii=False)
+            return json.dumps({self.name_key: c.name, self.args_key: c.arguments},
+                              ensure_ascii=False)
+
+        body = (self.separator or "").join(self.prefix + one(c) + self.suffix for c in calls)
         return self.start + body + self.end
 
 

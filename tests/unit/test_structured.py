@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 
 import jsonschema
 import numpy as np
 import pytest
 
 from archive_tools.demo_model import SIZES, build_tokenizer
+from handlers.api.tool_parsers.hermes import HermesParser
+from handlers.api.tool_parsers.llama3_json import Llama3JsonParser
+from handlers.api.tool_parsers.mistral import MistralArgsParser, MistralParser
 from handlers.errors import RequestError
 from handlers.structured import spec as specs
 from handlers.structured.compiler import GrammarCompiler, grammar_tokenizer
@@ -22,10 +26,13 @@ from tests.structured_walk import (
     finished_answers,
     schema_spec,
     stand_in,
+    walk,
 )
 
 CORPUS = corpus()
 FUNCTIONS, TOOLS = corpus_tools()
+WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +147,71 @@ def test_required_calls_one_or_more_listed_functions(compiler, model) -> None:
             assert part.startswith("<call>") and part.endswith("</call>")
             call = json.loads(part.removeprefix("<call>").removesuffix("</call>"))
             jsonschema.validate(call["parameters"], by_name[call["name"]])
+
+
+#: the corpus' three smallest function schemas
+SMALL_TOOLS = sorted(TOOLS, key=lambda t: len(json.dumps(t["function"]["parameters"])))[:3]
+
+
+@pytest.fixture(scope="module")
+def family_model():
+    """The demo tokenizer with Mistral's control tokens as special tokens and Qwen's tags as
+    added ones that are not special, as their tokenizers have them."""
+    tok = build_tokenizer(SIZES["tiny"], seed=0)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    compiler, model = stand_in(tok)
+    yield tok, compiler, model
+    compiler.close()
+
+
+@pytest.mark.parametrize("parser", [HermesParser(), MistralParser(), MistralArgsParser(),
+                                    Llama3JsonParser()], ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize("named", [False, True])
+def test_forced_calls_are_written_in_the_family_format(family_model, parser, named) -> None:
+    """`required` (or a named function) in Qwen's, Mistral's and Llama's formats: each
+    finished answer is calls its parser reads back -- as the model wrote it and as the
+    server decodes it, without special tokens --, of the offered functions, with valid
+    arguments; Mistral's control tokens are written as the special tokens they are."""
+    tok, compiler, (masks, bias, eos) = family_model
+    fmt = parser.grammar if not named else replace(parser.grammar, separator=None)
+    choice = SMALL_TOOLS[0]["function"]["name"] if named else None
+    compiled = compiler.compile(specs.forced_tool_call(SMALL_TOOLS, choice, fmt))
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in SMALL_TOOLS}
+    finished = 0
+    for seed in range(3):
+        tokens, done = walk(RowGrammar(compiled.matcher()), masks, bias, eos,
+                            np.random.default_rng(seed))
+        if not done:
+            continue
+        finished += 1
+        tokens = [t for t in tokens if t not in eos]
+        for text in (compiler.tokenizer().decode_str(tokens),
+                     tok.decode(tokens, skip_special_tokens=True)):
+            calls = parser.parse(text)
+            assert calls, text
+            assert not named or [c.name for c in calls] == [choice]
+            for call in calls:
+                jsonschema.validate(call.arguments, schemas[call.name])
+        if isinstance(parser, (MistralParser, MistralArgsParser)):
+            assert tok.convert_tokens_to_ids("[TOOL_CALLS]") in tokens
+    assert finished
+
+
+@pytest.mark.parametrize("reasoning, thought, ok", [
+    ("inside", "Paris, then. </think>", True), ("auto", "<think>Paris.</think>\n", True),
+    ("auto", "", True), (None, "<think>Paris.</think>", False),
+    ("inside", "", False)])  # inside the reasoning, only </think> leaves it
+def test_a_forced_call_may_follow_the_thinking_the_prompt_leaves_room_for(
+        family_model, reasoning, thought, ok) -> None:
+    _, compiler, _ = family_model
+    fmt = replace(HermesParser.grammar, reasoning=reasoning)
+    matcher = compiler.compile(specs.forced_tool_call(WEATHER_TOOL, None, fmt)).matcher()
+    text = thought + ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n'
+                      '</tool_call>')
+    assert HermesParser().parse(text.rpartition("</think>")[2])  # a call, in compact JSON
+    accepted = matcher.consume_tokens(compiler.tokenizer().tokenize_str(text))
+    assert (accepted and matcher.is_accepting()) == ok
 
 
 def test_forcing_a_function_not_listed_names_tool_choice() -> None:

@@ -16,6 +16,7 @@ from handlers.errors import RequestError
 from handlers.structured.spec import JSON_OBJECT, JSON_SCHEMA, TOOL_CALLS
 from tests.unit.test_openai_api import CHAT, make_service, make_tokenizer
 from tests.unit.test_tool_calls import ASK, CLOCK, TOOL_TEMPLATE, WEATHER
+from tests.unit.test_tool_parsers import MISTRAL_V11_TEMPLATE
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 AS_SCHEMA = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA,
@@ -101,3 +102,25 @@ def test_forced_calls_refused_name_the_field(tokenizer, body, field) -> None:
     with pytest.raises(RequestError) as info:
         prepare(ChatCompletionsApi(), tokenizer, {"messages": ASK, **body}, **handler)
     assert info.value.field == field and info.value.status == 400
+
+
+@pytest.mark.parametrize("template, kwargs, fmt", [
+    ("qwen2.5", None, {"prefix": "<tool_call>\n", "suffix": "\n</tool_call>",
+                       "args_key": "arguments", "separator": "\n", "reasoning": None}),
+    ("qwen3", None, {"prefix": "<tool_call>\n", "reasoning": "auto"}),  # may think first
+    ("qwen3", {"enable_thinking": False}, {"prefix": "<tool_call>\n", "reasoning": None}),
+    ("mistral", None, {"start": "[TOOL_CALLS] [", "separator": ", ", "end": "]",
+                       "args_key": "arguments"}),
+    (MISTRAL_V11_TEMPLATE, None, {"prefix": "[TOOL_CALLS]", "args_marker": "[ARGS]",
+                                  "separator": ""}),
+])
+def test_a_forced_call_takes_the_templates_family_format(tokenizer, template, kwargs,
+                                                         fmt) -> None:
+    """Qwen's and Mistral's templates force calls in their own formats (the one their
+    parser reads back), a thinking template leaving room to think first."""
+    request = prepare(ChatCompletionsApi(), tokenizer, {
+        "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required",
+        "chat_template_kwargs": kwargs}, chat_template=template)
+    g = request.sampling.grammar
+    assert g.kind == TOOL_CALLS
+    assert {k: getattr(g.tool_format, k) for k in fmt} == fmt

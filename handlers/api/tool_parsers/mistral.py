@@ -23,7 +23,6 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Sequence
 
 from handlers.api.tool_parsers.base import (
     Call,
@@ -90,14 +89,11 @@ class MistralArgsParser(_MistralIds):
     """`[TOOL_CALLS]name[ARGS]{...}` per call (v11 tokenizers' templates)."""
 
     name = "mistral"
+    grammar = ToolCallFormat(prefix=TOOL_CALLS, args_marker=ARGS, separator="")
 
     @classmethod
     def speaks(cls, rendered_call: str) -> bool:
         return TOOL_CALLS in rendered_call and ARGS in rendered_call
-
-    def render(self, calls: Sequence[Call]) -> str:
-        return "".join(f"{TOOL_CALLS}{c.name}{ARGS}"
-                       f"{json.dumps(c.arguments, ensure_ascii=False)}" for c in calls)
 
     def parse(self, text: str) -> list[Call] | None:
         body = text.strip()
