@@ -59,9 +59,10 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         ArchiveSpec(PLAIN_MODEL, handler={**HANDLER, "chat_template": "llama-2"})])
     build_store(root, build_json_checkpoint(root / "json"),  # the same store
                 [ArchiveSpec(JSON_MODEL, handler=JSON_HANDLER)])
-    for name, (family, template) in FAMILIES.items():
+    for name, (family, template) in FAMILIES.items():  # engine inline: one process to load
         build_store(root, build_scripted_checkpoint(root / family, family),
-                    [ArchiveSpec(name, handler={**HANDLER, "chat_template": template})])
+                    [ArchiveSpec(name, handler={**HANDLER, "chat_template": template,
+                                                "engine_process": "inline"})])
     with running_server(store, root / "run", [TOOLS_MODEL, PLAIN_MODEL, JSON_MODEL,
                                               *FAMILIES],
                         openai_port=0) as srv:
