@@ -135,6 +135,10 @@ stop:
 
 test: test-main test-neuron-stack test-py310 test-readme
 
+# One torch thread per test process (tests/conftest.py says why; the README's commands
+# are not pytest, so the variable is set here as well).
+test test-main test-neuron-stack test-py310 test-readme: export OMP_NUM_THREADS := 1
+
 # the whole suite on the tested pins; checkpoint and archive checks also load under TF4_ALL
 test-main: install install-test-tools overlays
 	INF2SERVE_TF4_OVERLAYS=$(TF4_OVERLAYS) $(PY) -m pytest tests -q $(PYTEST_PARALLEL)
