@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from handlers.errors import Inf2ServeError
+from handlers.presets.chat_templates import PRESETS
 
 #: what every chat template must take: user, assistant, user (system turns are optional in
 #: many templates, alternation is required by most)
@@ -44,4 +45,4 @@ def check_chat_template(tokenizer: Any, setting: str) -> None:
         raise Inf2ServeError(f"{template_source_name(tokenizer, setting)} does not render a "
                              f"user/assistant/user conversation: {message}; every chat request "
                              "would fail: fix the template, or set handler.chat_template "
-                             "(llama-2, llama-3)") from exc
+                             f"({', '.join(PRESETS)})") from exc

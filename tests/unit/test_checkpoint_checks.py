@@ -13,6 +13,7 @@ from archive_tools import package as pkg
 from archive_tools import prepare as prep
 from archive_tools.cli import main
 from archive_tools.inspect_cmd import scan, summarize
+from handlers.presets.chat_templates import PRESETS
 from tests.unit.test_package_user_files import members
 
 CONFIG = Path(__file__).resolve().parents[2] / "model_configs" / "tiny-llama-cpu.yaml"
@@ -124,7 +125,7 @@ def test_config_json_that_does_not_load(tiny_checkpoint: Path, tmp_path: Path) -
 
 @pytest.mark.parametrize("setting, expected", [
     ("llama2", "did you mean 'llama-2'?"),
-    ("chat.jinja", "not a preset (llama-2, llama-3), inline Jinja, or a file"),
+    ("chat.jinja", f"not a preset ({', '.join(PRESETS)}), inline Jinja, or a file"),
     ("{% for m in messages %}{{ m['content'] }",
      "handler.chat_template: the chat template does not compile: unexpected '}' "
      "(template line 1)"),

@@ -407,8 +407,7 @@ def test_no_chat_template_warns_at_packaging_and_chat_answers_400(tiny_checkpoin
                                                                   capsys) -> None:
     ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
     no_chat_template(ckpt)
-    warning = ("warning: no chat template: /v1/chat/completions will answer 400; set "
-               "handler.chat_template (llama-2, llama-3) or use /v1/completions")
+    warning = f"warning: no chat template: /v1/chat/completions will answer 400; {NO_TEMPLATE_FIX}"
     config = write_config(tmp_path / "c.yaml")
     code, out, _ = run(capsys, "validate", str(config), "--checkpoint", str(ckpt))
     assert code == 0 and warning in out
