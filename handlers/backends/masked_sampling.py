@@ -47,7 +47,8 @@ class RowLimits:
     (-1: a free row), `counts` how many tokens each row allows (the vocabulary for a free
     row), `compact` the rows gathered whole."""
 
-    def __init__(self, bitmask: np.ndarray, index: np.ndarray, vocab: int) -> None:
+    def __init__(self, bitmask: np.ndarray, index: np.ndarray, vocab: int,
+                 counts: np.ndarray | None = None) -> None:
         short = (vocab + 31) // 32 - bitmask.shape[1]
         if short > 0:  # logits wider than the grammar's vocabulary: those ids never allowed
             bitmask = np.pad(bitmask, ((0, 0), (0, short)))
@@ -55,13 +56,17 @@ class RowLimits:
         self.index = np.asarray(index, dtype=np.int64)
         self.vocab = vocab
         self.constrained = self.index >= 0
-        self.counts = np.full(len(self.index), vocab, dtype=np.int64)
-        if self.constrained.any():
+        if counts is not None:  # a subset's, already counted
+            self.counts = counts
+        else:
+            self.counts = np.full(len(self.index), vocab, dtype=np.int64)
+        if counts is None and self.constrained.any():
             self.counts[self.constrained] = popcount(bitmask[self.index[self.constrained]])
         self.compact = self.constrained & (self.counts <= COMPACT)
 
     def subset(self, js: list[int] | np.ndarray) -> RowLimits:
-        return RowLimits(self.bitmask, self.index[np.asarray(js, dtype=np.int64)], self.vocab)
+        js = np.asarray(js, dtype=np.int64)
+        return RowLimits(self.bitmask, self.index[js], self.vocab, self.counts[js])
 
     def keep(self, r: np.ndarray, c: np.ndarray) -> np.ndarray:
         """[n] bool: whether row r[i] may take token c[i] (free rows take anything)."""
@@ -100,15 +105,29 @@ def values(scan: Any, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
 
 def _first_best(r: np.ndarray, c: np.ndarray, v: np.ndarray, m: int
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per row j < m: the lowest id among its highest values (argmax's tie rule), and
-    whether it had any entry."""
+    """Per row j < m: the lowest id among its highest values (argmax's tie rule; NaN ranks
+    below every number, and a row of NaN only takes its lowest id), and whether it had
+    any entry. Entries come ordered by row, then id (what `gather` and a scan's
+    candidates hand over): one segmented max and one pass, no sort."""
     out = np.full(m, -1, dtype=np.int64)
     if not len(r):
         return out, out >= 0
-    order = np.lexsort((c, -v, r))
-    r, c = r[order], c[order]
-    first = np.concatenate([[True], r[1:] != r[:-1]])
-    out[r[first]] = c[first]
+    key = r * (int(c.max()) + 1) + c
+    if (np.diff(key) <= 0).any():  # not in order after all: sort them
+        order = np.lexsort((c, -v, r))
+        r, c = r[order], c[order]
+        first = np.concatenate([[True], r[1:] != r[:-1]])
+        out[r[first]] = c[first]
+        return out, out >= 0
+    starts = np.flatnonzero(np.concatenate([[True], r[1:] != r[:-1]]))
+    top = np.fmax.reduceat(v, starts)  # each row's highest number (NaN: only NaN)
+    lengths = np.diff(np.append(starts, len(r)))
+    at = np.repeat(top, lengths)
+    with np.errstate(invalid="ignore"):
+        hit = (v == at) | np.isnan(at)
+    rr, cc = r[hit], c[hit]
+    first = np.concatenate([[True], rr[1:] != rr[:-1]])
+    out[rr[first]] = cc[first]
     return out, out >= 0
 
 
@@ -118,6 +137,27 @@ def masked_argmax(row: np.ndarray, ok: np.ndarray) -> int:
     if not ok[token]:  # every allowed logit is -inf (or NaN): the first allowed token
         token = int(np.flatnonzero(ok)[0])
     return token
+
+
+def best_allowed(scan: Any, rows: np.ndarray, limits: RowLimits, js: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(token, logit) of `masked_argmax` for the rows `js` (rows[j] in the scanned logits),
+    all in one pass over those rows: their bits unpacked together, the logits masked and
+    reduced as one array -- where none of a row's candidates is allowed (its best token
+    ruled out), its best allowed one must come from the whole row."""
+    x = scan.x
+    keep = np.unpackbits(limits.bitmask[limits.index[js]].view(np.uint8), axis=1,
+                         bitorder="little")[:, :limits.vocab].astype(bool)
+    if isinstance(x, np.ndarray):
+        sub = np.where(keep, x[rows[js]], np.float32(-np.inf))
+    else:
+        sub = np.stack([np.where(keep[k], scan.row(int(rows[j])), np.float32(-np.inf))
+                        for k, j in enumerate(js.tolist())])
+    k = np.arange(len(js))
+    token = sub.argmax(axis=1)
+    bad = ~keep[k, token]  # every allowed logit -inf: the first allowed token
+    token[bad] = keep[bad].argmax(axis=1)
+    return token, sub[k, token]
 
 
 def greedy(scan: Any, rows: list[int], limits: RowLimits) -> np.ndarray:
@@ -141,8 +181,9 @@ def greedy(scan: Any, rows: list[int], limits: RowLimits) -> np.ndarray:
         ok = limits.keep(r, c)
         best, found = _first_best(r[ok], c[ok], v[ok], m)
         out[wide[found[wide]]] = best[wide[found[wide]]]
-        for j in wide[~found[wide]]:  # no candidate allowed: the row masked whole
-            out[j] = masked_argmax(scan.row(int(rows_[j])), limits.row(int(j)))
+        lost = wide[~found[wide]]
+        if len(lost):  # no candidate allowed: the rows masked whole, together
+            out[lost] = best_allowed(scan, rows_, limits, lost)[0]
     return out
 
 
@@ -168,34 +209,47 @@ def candidates(scan: Any, rows: list[int], best: np.ndarray, temperature: np.nda
         if wide.any():
             # each wide row's best allowed candidate; where it sits below the row's best,
             # look CANDIDATE_NATS below it instead (a deeper, second search of that row)
-            top = np.full(m, -np.inf, dtype=np.float32)
-            np.maximum.at(top, r, v)
+            top = _row_max(r, v, m)
+            none = np.flatnonzero(wide & ~np.isfinite(top))
+            if len(none):  # no candidate allowed (the best ruled out): the masked rows' best
+                top[none] = best_allowed(scan, rows_, limits, none)[1]
             lower = np.flatnonzero(wide & np.isfinite(top) & (top < best))
             if len(lower):
                 best[lower] = top[lower]
                 deeper = thresholds(best[lower], temperature[lower], nats[lower])
                 tau[lower] = np.minimum(tau[lower], deeper)
-                drop = np.isin(r, lower)
+                drop = np.zeros(m, dtype=bool)
+                drop[lower] = True
+                drop = drop[r]
                 r, c, v = r[~drop], c[~drop], v[~drop]
                 r2, c2, v2 = scan.candidates(rows_[lower].tolist(), tau[lower])
                 r2 = lower[r2]
                 ok = limits.keep(r2, c2)
                 parts.append((r2[ok], c2[ok], v2[ok]))
-            none = np.flatnonzero(wide & ~np.isfinite(top))
-            best[none] = np.nan  # nothing allowed among the candidates: the row's own call
+            best[np.flatnonzero(wide & ~np.isfinite(top))] = np.nan  # every allowed logit
+            # -inf (or NaN): the row's own call
         parts.append((r, c, v))
     compact = np.flatnonzero(limits.compact)
     if len(compact):
         r, c, v = limits.gather(scan, rows_, compact)
-        top = np.full(m, -np.inf, dtype=np.float32)
-        np.maximum.at(top, r, v)
+        top = _row_max(r, v, m)
         best[compact] = np.where(np.isfinite(top[compact]), top[compact], np.nan)
         tau[compact] = -np.inf
         parts.append((r, c, v))
     r = np.concatenate([p[0] for p in parts])
     c = np.concatenate([p[1] for p in parts])
     v = np.concatenate([p[2] for p in parts])
-    if len(parts) > 1:
-        order = np.lexsort((c, r))
+    if len(parts) > 1:  # each part sorted, no row in two parts: a stable sort by row
+        order = np.argsort(r, kind="stable")
         r, c, v = r[order], c[order], v[order]
     return r, c, v, best, tau
+
+
+def _row_max(r: np.ndarray, v: np.ndarray, m: int) -> np.ndarray:
+    """[m] float32: each row's highest value (NaN propagates), -inf for a row without
+    entries; `r` ordered (a segmented max, not a scatter)."""
+    top = np.full(m, -np.inf, dtype=np.float32)
+    if len(r):
+        starts = np.flatnonzero(np.concatenate([[True], r[1:] != r[:-1]]))
+        top[r[starts]] = np.maximum.reduceat(v, starts)
+    return top

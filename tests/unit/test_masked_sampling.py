@@ -82,8 +82,8 @@ def test_a_row_whose_candidates_are_all_ruled_out_is_masked_whole(monkeypatch) -
     """Its top tokens disallowed, far above the rest: only the full pass finds the token."""
     monkeypatch.setattr(masked_sampling, "COMPACT", 0)
     calls = []
-    full = masked_sampling.masked_argmax
-    monkeypatch.setattr(masked_sampling, "masked_argmax",
+    full = masked_sampling.best_allowed
+    monkeypatch.setattr(masked_sampling, "best_allowed",
                         lambda *a: calls.append(1) or full(*a))
     logits = torch.zeros(1, 5000)
     logits[0, :10] = 100.0
