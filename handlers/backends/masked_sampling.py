@@ -11,17 +11,22 @@ operations per candidate) and touches the rest of the row only where the check c
 decide. Every path is exact -- the same token (greedy) or the same distribution (sampled)
 as the row masked whole and handed to the plain sampler:
 
-- a row allowing few tokens (at most COMPACT: between JSON values, a key, an enum, a
-  number) is gathered: its allowed ids and their logits are its whole support, so its
-  candidates are exactly those, with no tail;
+- every row is searched first, whatever its density: a model that follows the format puts
+  its best logit on an allowed token, and then the row's allowed candidates decide it as
+  a free row's decide it (the bitmask's bit tests are all the mask costs);
 - greedy: the best allowed token among the candidates within GREEDY_DEPTH of the row's
-  maximum is the masked row's argmax (everything below weighs less); only a row none of
-  whose candidates is allowed is masked whole (`masked_argmax`);
-- sampled: candidates are filtered by the mask and, where the best allowed one sits below
-  the row's best, taken again CANDIDATE_NATS below it, so the tail bound (now over the
-  allowed tokens outside the candidates) is as tight as for a free row; the row's exact
-  tail, when the sampler needs it, is computed over the allowed tokens only. A row with
-  no allowed candidate goes to its own sampler with the mask (a pass over the row).
+  maximum is the masked row's argmax (everything below weighs less); a row none of whose
+  candidates is allowed is gathered when it allows few tokens (at most COMPACT: between
+  JSON values, a key, an enum, a number: its allowed ids and their logits, from its
+  nonzero words only) and otherwise masked whole, all such rows in one pass
+  (`best_allowed`);
+- sampled: candidates are filtered by the mask; where a row's best is ruled out, a row
+  allowing few tokens is gathered (its allowed tokens are its whole support, no tail),
+  a wider one searched again CANDIDATE_NATS below its best allowed token (found by
+  `best_allowed` where no candidate is allowed), so the tail bound (over the allowed
+  tokens outside the candidates) is as tight as for a free row; the row's exact tail,
+  when the sampler needs it, is computed over the allowed tokens only. Only a row whose
+  every allowed logit is -inf (or NaN) goes to its own sampler with the mask.
 """
 
 from __future__ import annotations
@@ -162,28 +167,33 @@ def best_allowed(scan: Any, rows: np.ndarray, limits: RowLimits, js: np.ndarray
 
 def greedy(scan: Any, rows: list[int], limits: RowLimits) -> np.ndarray:
     """Each constrained greedy row's token: the masked row's argmax, ties to the lowest
-    id; -1 for a row that allows nothing."""
+    id; -1 for a row that allows nothing. Every row is checked at its candidates first (a
+    model that follows the format puts its best logit on an allowed token, whatever the
+    mask's density); only a row none of whose candidates is allowed is gathered (few
+    allowed) or masked whole."""
     rows_ = np.asarray(rows, dtype=np.int64)
     m = len(rows_)
     out = np.full(m, -1, dtype=np.int64)
-    compact = np.flatnonzero(limits.compact)
-    if len(compact):
-        r, c, v = limits.gather(scan, rows_, compact)
+    held = np.flatnonzero(limits.counts > 0)
+    if not len(held):
+        return out
+    top = scan.max[rows_[held]].astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        tau = np.where(np.isfinite(top), top - GREEDY_DEPTH, -np.inf).astype(np.float32)
+    r, c, v = scan.candidates(rows_[held].tolist(), tau)
+    r = held[r]
+    ok = limits.keep(r, c)
+    best, found = _first_best(r[ok], c[ok], v[ok], m)
+    out[found] = best[found]
+    lost = held[~found[held]]
+    few = lost[limits.compact[lost]]
+    if len(few):  # no candidate allowed, few tokens allowed: those tokens' logits
+        r, c, v = limits.gather(scan, rows_, few)
         best, found = _first_best(r, c, v, m)
-        out[found] = best[found]
-    wide = np.flatnonzero(~limits.compact & (limits.counts > 0))
-    if len(wide):
-        top = scan.max[rows_[wide]].astype(np.float64)
-        with np.errstate(invalid="ignore"):
-            tau = np.where(np.isfinite(top), top - GREEDY_DEPTH, -np.inf).astype(np.float32)
-        r, c, v = scan.candidates(rows_[wide].tolist(), tau)
-        r = wide[r]
-        ok = limits.keep(r, c)
-        best, found = _first_best(r[ok], c[ok], v[ok], m)
-        out[wide[found[wide]]] = best[wide[found[wide]]]
-        lost = wide[~found[wide]]
-        if len(lost):  # no candidate allowed: the rows masked whole, together
-            out[lost] = best_allowed(scan, rows_, limits, lost)[0]
+        out[few[found[few]]] = best[few[found[few]]]
+    many = lost[~limits.compact[lost]]
+    if len(many):  # no candidate allowed: the rows masked whole, together
+        out[many] = best_allowed(scan, rows_, limits, many)[0]
     return out
 
 
@@ -193,49 +203,58 @@ def candidates(scan: Any, rows: list[int], best: np.ndarray, temperature: np.nda
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The sampled rows' candidates where some rows are constrained: (r, c, v) ordered by
     row then id, each row's best (its best allowed logit where constrained) and its
-    threshold tau (-inf for a gathered row: all it allows is a candidate)."""
+    threshold tau (-inf for a gathered row: all it allows is a candidate).
+
+    Every row is searched first: where a constrained row's best token is allowed (a model
+    that follows the format), its allowed candidates and the bound of its allowed tail
+    decide it as they decide a free row, whatever the mask's density. A row allowing few
+    tokens whose best is ruled out is gathered instead; a wider one is searched again
+    below its best allowed token."""
     rows_ = np.asarray(rows, dtype=np.int64)
     m = len(rows_)
     best = best.astype(np.float32).copy()
     tau = thresholds(best, temperature, nats)
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    searched = np.flatnonzero(~limits.compact)
-    if len(searched):
-        r, c, v = scan.candidates(rows_[searched].tolist(), tau[searched])
-        r = searched[r]
-        ok = limits.keep(r, c)
-        r, c, v = r[ok], c[ok], v[ok]
-        wide = limits.constrained & ~limits.compact
-        if wide.any():
-            # each wide row's best allowed candidate; where it sits below the row's best,
-            # look CANDIDATE_NATS below it instead (a deeper, second search of that row)
-            top = _row_max(r, v, m)
-            none = np.flatnonzero(wide & ~np.isfinite(top))
-            if len(none):  # no candidate allowed (the best ruled out): the masked rows' best
-                top[none] = best_allowed(scan, rows_, limits, none)[1]
-            lower = np.flatnonzero(wide & np.isfinite(top) & (top < best))
-            if len(lower):
-                best[lower] = top[lower]
-                deeper = thresholds(best[lower], temperature[lower], nats[lower])
-                tau[lower] = np.minimum(tau[lower], deeper)
-                drop = np.zeros(m, dtype=bool)
-                drop[lower] = True
-                drop = drop[r]
-                r, c, v = r[~drop], c[~drop], v[~drop]
-                r2, c2, v2 = scan.candidates(rows_[lower].tolist(), tau[lower])
-                r2 = lower[r2]
-                ok = limits.keep(r2, c2)
-                parts.append((r2[ok], c2[ok], v2[ok]))
-            best[np.flatnonzero(wide & ~np.isfinite(top))] = np.nan  # every allowed logit
-            # -inf (or NaN): the row's own call
-        parts.append((r, c, v))
-    compact = np.flatnonzero(limits.compact)
-    if len(compact):
-        r, c, v = limits.gather(scan, rows_, compact)
-        top = _row_max(r, v, m)
-        best[compact] = np.where(np.isfinite(top[compact]), top[compact], np.nan)
+    r, c, v = scan.candidates(rows_.tolist(), tau)
+    ok = limits.keep(r, c)
+    r, c, v = r[ok], c[ok], v[ok]
+    top = _row_max(r, v, m)  # each row's best allowed candidate
+    with np.errstate(invalid="ignore"):
+        below = ~np.isfinite(top) | (top < best)
+    compact = np.flatnonzero(limits.compact & below)
+    wide = limits.constrained & ~limits.compact
+    if len(compact):  # their best ruled out: the few tokens they allow
+        drop = np.zeros(m, dtype=bool)
+        drop[compact] = True
+        drop = drop[r]
+        r, c, v = r[~drop], c[~drop], v[~drop]
+        r3, c3, v3 = limits.gather(scan, rows_, compact)
+        gathered = _row_max(r3, v3, m)
+        best[compact] = np.where(np.isfinite(gathered[compact]), gathered[compact], np.nan)
         tau[compact] = -np.inf
-        parts.append((r, c, v))
+        parts.append((r3, c3, v3))
+    if wide.any():
+        # where a wide row's best allowed candidate sits below the row's best, look
+        # CANDIDATE_NATS below it instead (a deeper, second search of that row)
+        none = np.flatnonzero(wide & ~np.isfinite(top))
+        if len(none):  # no candidate allowed (the best ruled out): the masked rows' best
+            top[none] = best_allowed(scan, rows_, limits, none)[1]
+        lower = np.flatnonzero(wide & np.isfinite(top) & (top < best))
+        if len(lower):
+            best[lower] = top[lower]
+            deeper = thresholds(best[lower], temperature[lower], nats[lower])
+            tau[lower] = np.minimum(tau[lower], deeper)
+            drop = np.zeros(m, dtype=bool)
+            drop[lower] = True
+            drop = drop[r]
+            r, c, v = r[~drop], c[~drop], v[~drop]
+            r2, c2, v2 = scan.candidates(rows_[lower].tolist(), tau[lower])
+            r2 = lower[r2]
+            ok = limits.keep(r2, c2)
+            parts.append((r2[ok], c2[ok], v2[ok]))
+        # every allowed logit -inf (or NaN): the row's own call
+        best[np.flatnonzero(wide & ~np.isfinite(top))] = np.nan
+    parts.append((r, c, v))
     r = np.concatenate([p[0] for p in parts])
     c = np.concatenate([p[1] for p in parts])
     v = np.concatenate([p[2] for p in parts])
