@@ -35,7 +35,7 @@ import psutil
 
 from archive_tools.bench_stats import Scenario, ScenarioResult, host_efficiency, percentile
 from archive_tools.loadgen import GenParams, run_scenario
-from bench import metrics_cost
+from bench import metrics_cost, structured_device
 from bench.warmup import Warmup, settle_jit
 from handlers.backends.synthetic_backend import StepTimer, tighten_timer_slack
 from handlers.presets.synthetic_timing import PRESETS as SYNTHETIC_PRESETS
@@ -63,7 +63,7 @@ PRESET_STREAMS = (1, 8)
 SPEC_TARGET_MS, SPEC_DRAFT_MS, SPEC_LENGTH, SPEC_ACCEPTANCE = 10.0, 1.0, 4, 0.7
 SPEC_STREAMS = (1, 8, 32)
 SPEC_BATCH = 32
-CELLS = ("all", "base", "host-sampling", "presets", "speculation", "metrics")
+CELLS = ("all", "base", "host-sampling", "presets", "speculation", "metrics", "structured")
 
 
 @dataclass(frozen=True)
@@ -238,6 +238,8 @@ class DeviceBound:
     warmup: Warmup | None = None
     #: the metrics-on-and-off cells (bench/metrics_cost.py); None: not run
     metrics: metrics_cost.MetricsCost | None = None
+    #: the structured-output cells (bench/structured_device.py); None: not run
+    structured: structured_device.StructuredCost | None = None
     #: (seconds the rounds took, CPU seconds stolen by the hypervisor meanwhile)
     stolen: tuple[float, float] | None = None
 
@@ -280,6 +282,8 @@ class DeviceBound:
                 for (sp, c), rounds in self.spec_cells.items()}
         if self.metrics is not None:
             out["metrics"] = self.metrics.meta()
+        if self.structured is not None:
+            out["structured"] = self.structured.meta()
         if self.preset_cells:
             out["presets"] = {
                 f"{p} x {c}": {"step_ms": round(preset_step_ms(p), 2),
@@ -299,7 +303,7 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
         raise ValueError(f"cells {cells!r}; expected one of {CELLS}")
     if cells == "host-sampling":
         steps_ms, streams = (HOST_SAMPLING_STEP_MS,), (HOST_SAMPLING_STREAMS,)
-    if cells in ("presets", "speculation", "metrics"):
+    if cells in ("presets", "speculation", "metrics", "structured"):
         steps_ms, streams = (), ()
     variants = tuple(HOST_SAMPLING_PARAMS) if cells in ("all", "host-sampling") else ()
     presets = PRESETS if cells in ("all", "presets") else ()
@@ -315,6 +319,9 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
     if cells in ("all", "metrics"):  # two servers of their own, before this one starts
         out.metrics = metrics_cost.run(ckpt, work, prompts, rounds)
         out.results.update(out.metrics.results())
+    if cells in ("all", "structured"):  # a server of its own (two tokenizers' archives)
+        out.structured = structured_device.run(checkpoint, work, prompts, rounds, threads)
+        out.results.update(out.structured.results())
     if not specs:
         return out
     store = build_store(work / "device", ckpt, specs)
@@ -432,6 +439,8 @@ def summary_section(dev: DeviceBound) -> str:
         lines += _speculation_table(dev)
     if dev.metrics is not None:
         lines += metrics_cost.table(dev.metrics)
+    if dev.structured is not None:
+        lines += structured_device.table(dev.structured)
     o = dev.lateness
     d, t = o["device_step"], o["time_sleep"]
     lines += [f"A {o['target_ms']:g} ms device step ends late by {d['median_us']} us "

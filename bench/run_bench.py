@@ -23,9 +23,9 @@ One run, one machine, the same torch thread count everywhere:
 Run: `.venv/bin/python bench/run_bench.py --out bench/results` (about 30 minutes on 2 cores);
 `--only device-bound` (`make bench-device`, a few minutes) reruns just step 4 and replaces
 its part of an existing report; `--device-cells host-sampling` (or `base`, `presets`,
-`speculation`, `metrics`) runs only those cells of it -- for a quick look, into another --out,
-since the report then holds only them. `--replot` redraws bench.md and the PNGs from --out's
-bench.json alone, running nothing.
+`speculation`, `metrics`, `structured`) runs only those cells of it -- for a quick look,
+into another --out, since the report then holds only them. `--replot` redraws bench.md and
+the PNGs from --out's bench.json alone, running nothing.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ FAMILY_TITLES = {
     "device-host-sampling": "synthetic device, host sampling of 128,256-token logits",
     "device-presets": "synthetic device replaying published bf16 / int8 step times",
     "device-speculation": "synthetic device, speculative decoding on and off",
-    "device-metrics": "synthetic device, the server's metrics on and off"}
+    "device-metrics": "synthetic device, the server's metrics on and off",
+    "device-structured": "synthetic device, host sampling with and without a JSON schema"}
 
 
 class InProcess:
@@ -289,7 +290,8 @@ def device_family(label: str) -> str:
     speculation), so each kind is plotted apart and no cell's lone point sits among lines."""
     for prefix, family in ((device_bound.host_sampling_model(), "device-host-sampling"),
                            ("preset-", "device-presets"), ("spec-", "device-speculation"),
-                           ("metrics-", "device-metrics")):
+                           ("metrics-", "device-metrics"),
+                           ("structured-", "device-structured")):
         if label.startswith(prefix):
             return family
     return "device"
@@ -380,7 +382,8 @@ def main() -> int:
                     help="device-bound cells to run: every (step, streams) cell ('base'), "
                     "the host-sampling ones, the published-preset ones ('presets'), speculation "
                     "with and without ('speculation'), the server's metrics on and off "
-                    "('metrics'), or all")
+                    "('metrics'), 32 streams under a JSON schema and free ('structured'), "
+                    "or all")
     ap.add_argument("--pair-ratios", type=int, nargs=2, default=[29, 5], metavar=("AT8", "AT32"),
                     help="continuous/micro ratios at 8 and 32 streams, each from that many + 2 "
                     "alternating closed-loop runs (~11 and ~23 s a run here). 8 streams gets "

@@ -152,7 +152,7 @@ def best_allowed(scan: Any, rows: np.ndarray, limits: RowLimits, js: np.ndarray
     ruled out), its best allowed one must come from the whole row."""
     x = scan.x
     keep = np.unpackbits(limits.bitmask[limits.index[js]].view(np.uint8), axis=1,
-                         bitorder="little")[:, :limits.vocab].astype(bool)
+                         bitorder="little")[:, :limits.vocab].view(bool)  # 0/1 bytes
     if isinstance(x, np.ndarray):
         sub = np.where(keep, x[rows[js]], np.float32(-np.inf))
     else:
@@ -175,6 +175,13 @@ def greedy(scan: Any, rows: list[int], limits: RowLimits) -> np.ndarray:
     m = len(rows_)
     out = np.full(m, -1, dtype=np.int64)
     held = np.flatnonzero(limits.counts > 0)
+    if not len(held):
+        return out
+    # the row's argmax (its first highest logit), where allowed, is the masked row's
+    first = scan.argmax(rows_[held].tolist())
+    hit = limits.keep(held, first)
+    out[held[hit]] = first[hit]
+    held = held[~hit]
     if not len(held):
         return out
     top = scan.max[rows_[held]].astype(np.float64)
