@@ -101,12 +101,80 @@ def tool_call_schema(spec: GrammarSpec) -> dict[str, Any]:
     """One call of any of the spec's functions: {name_key: const name, args_key: its
     parameters}, the name first (properties in schema order)."""
     fmt = spec.tool_format
-    calls = []
-    for name, params in json.loads(spec.schema):
+    calls, defs = [], {}
+    for i, (name, params) in enumerate(json.loads(spec.schema)):
+        if _local_refs(params):
+            # its "#/..." pointers would resolve against the call's root, not its parameters:
+            # its definitions move to the root's $defs under names of their own, and its
+            # pointers follow them (pydantic's nested models, as Instructor and LangChain
+            # send them, are "#/$defs/Model"; SchemaStore's "#/definitions/x")
+            params, moved = _hoisted(params, f"inf2serve_{i}")
+            defs.update(moved)
         calls.append({"type": "object", "additionalProperties": False,
                       "properties": {fmt.name_key: {"const": name}, fmt.args_key: params},
                       "required": [fmt.name_key, fmt.args_key]})
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    out = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {**out, "$defs": defs} if defs else out
+
+
+def _local_refs(node: Any) -> bool:
+    """Whether a schema holds a "$ref" to a JSON pointer within its own document."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            return True
+        return any(_local_refs(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_local_refs(v) for v in node)
+    return False
+
+
+def _hoisted(params: dict, prefix: str) -> tuple[dict, dict]:
+    """(params without its $defs / definitions, those as root $defs entries named
+    prefix_$defs_name / prefix_definitions_name), every "#..." pointer rewritten to them;
+    a pointer anywhere else in params ("#", "#/properties/...") to a root copy of it."""
+    # its $id would make its pointers resolve against it again; $schema only names a draft
+    params = {k: v for k, v in params.items() if k not in ("$id", "$schema")}
+    own = {group: params.pop(group) for group in ("$defs", "definitions")
+           if isinstance(params.get(group), dict)}
+    whole = f"{prefix}_root"
+
+    def target(ref: str) -> str:
+        parts = ref[1:].split("/")
+        if len(parts) >= 3 and parts[0] == "" and parts[1] in own:
+            name = f"{prefix}_{parts[1]}_{parts[2]}"
+            return "/".join(["#", "$defs", name, *parts[3:]])
+        return f"#/$defs/{whole}{ref[1:]}"
+
+    def repoint(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: repoint(v) for k, v in node.items()}
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                out["$ref"] = target(ref)
+            return out
+        if isinstance(node, list):
+            return [repoint(v) for v in node]
+        return node
+
+    moved = {f"{prefix}_{group}_{name}": repoint(schema)
+             for group, entries in own.items() for name, schema in entries.items()}
+    params = repoint(params)
+    if _points_to([params, *moved.values()], f"#/$defs/{whole}"):
+        moved[whole] = params
+    return params, moved
+
+
+def _points_to(node: Any, base: str) -> bool:
+    """Whether a schema holds a "$ref" starting with `base`."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith(base):
+            return True
+        return any(_points_to(v, base) for v in node.values())
+    if isinstance(node, list):
+        return any(_points_to(v, base) for v in node)
+    return False
 
 
 def tool_call_lark(spec: GrammarSpec, special: Mapping[str, int] | None = None) -> str:
