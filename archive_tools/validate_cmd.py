@@ -18,6 +18,7 @@ import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from archive_tools.host_sampling_cost import host_sampling_line
 from archive_tools.load_checks import check_load, read_model_config
 from archive_tools.neuron_sizing import (
     COMPILER_GIB_PER_GRAPH,
@@ -191,6 +192,15 @@ def memory_note(label: str, cfg: ModelConfig, weights: float, kv: float, usable:
             f"{usable / GB:.1f} GB available")
 
 
+def add_host_sampling(report: Report, cfg: ModelConfig, arch: Arch) -> None:
+    """With sampling on the host, what reading the logits costs a step (a warning past a 100k
+    vocabulary, archive_tools.host_sampling_cost)."""
+    if cfg.handler.neuron.on_device_sampling:
+        return
+    line, warn = host_sampling_line(cfg.handler.batch_size, arch.vocab)
+    (report.warnings if warn else report.notes).append(line)
+
+
 def draft_arch(cfg: ModelConfig) -> Arch | None:
     """The speculation draft's architecture where `validate` knows it (None: not counted)."""
     sp = cfg.handler.neuron.speculation
@@ -332,6 +342,7 @@ def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
         report.notes.append(memory_note(label, cfg, *_core_bytes(cfg, arch, n.tp_degree), usable))
         if (note := speculation_note(cfg)) is not None:
             report.notes.append(note)
+        add_host_sampling(report, cfg, arch)
     if not instance:
         report.notes.append("no --instance: cores and host memory not checked")
         return report
@@ -398,6 +409,7 @@ def validate_nxdi(cfg: ModelConfig, arch: Arch | None, instance: str | None,
     usable = nx.CORE_MEMORY * (1 - nx.HEADROOM)
     w, k = precision_label(cfg)
     report.notes.append(memory_note(label, cfg, weights, kv, usable))
+    add_host_sampling(report, cfg, arch)
     if weights + kv > usable:
         report.problems.append(
             f"device memory (estimate): {label} needs {(weights + kv) / GB:.1f} GB per NeuronCore "
