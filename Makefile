@@ -140,8 +140,9 @@ test: test-main test-neuron-stack test-py310 test-readme
 test test-main test-neuron-stack test-py310 test-readme: export OMP_NUM_THREADS := 1
 
 # the whole suite on the tested pins; checkpoint and archive checks also load under TF4_ALL
+# (the 25 slowest tests are listed at the end, for where CI time goes)
 test-main: install install-test-tools overlays
-	INF2SERVE_TF4_OVERLAYS=$(TF4_OVERLAYS) $(PY) -m pytest tests -q $(PYTEST_PARALLEL)
+	INF2SERVE_TF4_OVERLAYS=$(TF4_OVERLAYS) $(PY) -m pytest tests -q $(PYTEST_PARALLEL) --durations=25
 
 # one overlay's run: its transformers checked, then the stack's tests and its own
 stack_run = echo "== neuron-path tests under transformers $(1)" \
