@@ -126,7 +126,9 @@ class NeuronSettings:
 
     tp_degree: int = _opt(2, lo=1, hi=128, doc="NeuronCores per model; the Inf2 runtime supports "
                                                 "1, 2, 4, 8, 24 (`inf2serve validate` checks)")
-    model_class_name: str = _opt("llama.model.LlamaForSampling")
+    model_class_name: str = _opt("", doc="transformers-neuronx class, e.g. 'mistral.model."
+                                         "MistralForSampling'; empty = the checkpoint's family "
+                                         "class (handlers/families.py)")
     context_length_estimate: list[int] = _opt([], lo=1,
                                               doc="prefill buckets; empty = n_positions")
     compiler_flags: list[str] = _opt(["--model-type=transformer"])
@@ -189,8 +191,10 @@ class NxdiSettings:
     buckets (context_length_estimate), compiler_flags, the compile cache and NeuronCore
     allocation come from `handler.neuron`, which means the same for both backends."""
 
-    model_class: str = _opt("models.llama.modeling_llama.NeuronLlamaForCausalLM",
-                            doc="class under neuronx_distributed_inference")
+    model_class: str = _opt("", doc="class under neuronx_distributed_inference, e.g. "
+                                    "'models.qwen2.modeling_qwen2.NeuronQwen2ForCausalLM'; "
+                                    "empty = the checkpoint's family class "
+                                    "(handlers/families.py)")
     token_generation_buckets: list[int] = _opt([], lo=1, doc="KV-length buckets of decode; "
                                                               "empty = max_length")
     max_context_length: int = _opt(0, lo=0, doc="longest prompt compiled; 0 = the largest "

@@ -58,6 +58,11 @@ IGNORED_CONFIG_FIELDS = frozenset({
     "_commit_hash", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
     "tokenizer_class", "initializer_range", "task_specific_params", "finetuning_task",
 })
+#: the family of every entry written before the key named one (all of them Llama)
+LEGACY_FAMILY = "llama"
+#: the class each backend built every entry with before families (and builds a Llama with)
+LEGACY_CLASSES = {"neuron": "llama.model.LlamaForSampling",
+                  "nxdi": "models.llama.modeling_llama.NeuronLlamaForCausalLM"}
 #: key fields a different SDK install or different flags change (see `mismatch_fields`)
 BUILD_FIELDS = ("sdk", "compiler_flags")
 
@@ -107,13 +112,20 @@ class KeyInputs:
     neuron_config: dict[str, Any]
     compiler_flags: list[str]
     sdk: dict[str, str] = field(default_factory=sdk_versions)
+    #: the model family (handlers/families.py). Keyed since families beyond Llama came:
+    #: a Llama key leaves it out, so every Llama entry written before keeps its digest
+    family: str = LEGACY_FAMILY
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["family"] == LEGACY_FAMILY:
+            del data["family"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KeyInputs:
         names = {f.name for f in dataclasses.fields(cls)}
+        data = {"family": LEGACY_FAMILY, **data}
         if set(data) != names:
             raise CacheError(f"key inputs have fields {sorted(data)}, expected {sorted(names)}; "
                              "the entry was written by another inf2serve version: prune it")
@@ -251,27 +263,40 @@ def speculation_spec(config: HandlerConfig, draft_model_config: dict[str, Any] |
 
 def key_inputs(config: HandlerConfig, model_config: dict[str, Any],
                sdk: dict[str, str] | None = None,
-               draft_model_config: dict[str, Any] | None = None) -> KeyInputs:
+               draft_model_config: dict[str, Any] | None = None, *,
+               model_class: str = "", family: str = "") -> KeyInputs:
     """The key of the model `config` describes, for a checkpoint with `model_config` (and,
-    with speculation, a draft checkpoint with `draft_model_config`)."""
+    with speculation, a draft checkpoint with `draft_model_config`).
+
+    `model_class`: the SDK class the backend builds (handlers.families.model_class_for);
+    "" = the config's handler.neuron.model_class_name / handler.nxdi.model_class, else for
+    a Llama the Llama class. `family`: the checkpoint's family; "" = its model_type."""
     n = config.neuron
     speculation = speculation_spec(config, draft_model_config)
+    setting = config.nxdi.model_class if config.backend == "nxdi" else n.model_class_name
+    family = family or str(model_config.get("model_type") or LEGACY_FAMILY)
+    model_class = model_class or setting or (
+        LEGACY_CLASSES[config.backend] if family == LEGACY_FAMILY else "")
+    if not model_class:
+        raise ValueError(f"the key of a {family} checkpoint needs its model class: pass "
+                         "model_class (handlers.families.model_class_for resolves it)")
     if config.backend == "nxdi":
         return KeyInputs(
             model_config=graph_config(model_config),
-            model_class=NXDI_CLASS_PREFIX + config.nxdi.model_class, tp_degree=n.tp_degree,
+            model_class=NXDI_CLASS_PREFIX + model_class, tp_degree=n.tp_degree,
             amp=config.amp, batch_size=config.batch_size, n_positions=config.max_length,
             context_length_estimate=nxdi_buckets(config)[0],
             neuron_config={**nxdi_neuron_config(config), **speculation},
             compiler_flags=[str(f) for f in n.compiler_flags],
-            sdk=sdk_versions(NXDI_SDK_DISTRIBUTIONS) if sdk is None else dict(sdk))
+            sdk=sdk_versions(NXDI_SDK_DISTRIBUTIONS) if sdk is None else dict(sdk),
+            family=family)
     return KeyInputs(
-        model_config=graph_config(model_config), model_class=n.model_class_name,
+        model_config=graph_config(model_config), model_class=model_class,
         tp_degree=n.tp_degree, amp=config.amp, batch_size=config.batch_size,
         n_positions=config.max_length, context_length_estimate=context_buckets(config),
         neuron_config={**neuron_config_spec(config), **speculation},
         compiler_flags=[str(f) for f in n.compiler_flags],
-        sdk=sdk_versions() if sdk is None else dict(sdk),
+        sdk=sdk_versions() if sdk is None else dict(sdk), family=family,
     )
 
 

@@ -20,7 +20,8 @@ SDK = {"neuronx-cc": "2.15.128.0", "transformers-neuronx": "0.13.322", "torch-ne
 
 def _entry(store: CacheStore, batch: int, size: int, age_days: float = 0.0):
     cfg = parse_config({"handler": {"backend": "neuron", "batch_size": batch}}).handler
-    key = key_inputs(cfg, {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64}, SDK)
+    key = key_inputs(cfg, {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64}, SDK,
+                     model_class="llama.model.LlamaForSampling")
 
     def write(d: Path) -> None:
         d.mkdir(parents=True)

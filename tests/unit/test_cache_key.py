@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from handlers.config import parse_config
+from handlers.families import family_name, model_class_for
 from neuron_cache.key import (
     SDK_DISTRIBUTIONS,
     KeyInputs,
@@ -29,9 +30,15 @@ SDK = {"neuronx-cc": "2.16.345.0", "libneuronxla": "2.1.681.0",
        "transformers-neuronx": "0.13.322", "torch-neuronx": "2.1.2.2.4.0"}
 
 
-def _key(handler: dict | None = None, model: dict | None = None, sdk: dict | None = None):
+def _key(handler: dict | None = None, model: dict | None = None, sdk: dict | None = None,
+         draft: dict | None = None):
+    """The key as the backends compute it: the class and family from the checkpoint."""
     cfg = parse_config({"handler": {"backend": "neuron", **(handler or {})}}).handler
-    return key_inputs(cfg, model or MODEL, sdk or SDK)
+    model = model or MODEL
+    setting = cfg.nxdi.model_class if cfg.backend == "nxdi" else cfg.neuron.model_class_name
+    return key_inputs(cfg, model, sdk or SDK, draft_model_config=draft,
+                      model_class=model_class_for(cfg.backend, model, setting),
+                      family=family_name(model))
 
 
 BASE = _key()
@@ -130,9 +137,11 @@ def test_an_entry_from_before_libneuronxla_was_keyed_is_a_build_mismatch() -> No
 
 
 def test_speculation_keys_the_draft_and_leaves_other_keys_alone():
-    from handlers.config import parse_config
-    from neuron_cache.key import key_inputs
+    from functools import partial
 
+    from neuron_cache.key import key_inputs as key
+
+    key_inputs = partial(key, model_class="llama.model.LlamaForSampling")
     base = {"backend": "neuron", "neuron": {"on_device_sampling": True}}
     plain = parse_config({"handler": base}).handler
     spec = parse_config({"handler": {**base, "neuron": {
@@ -147,3 +156,56 @@ def test_speculation_keys_the_draft_and_leaves_other_keys_alone():
     assert a.digest != key_inputs(plain, model, sdk).digest
     with pytest.raises(ValueError, match="draft_model_config"):
         key_inputs(spec, model, sdk)
+
+
+NXDI_SDK = {"neuronx-cc": "2.23.6484.0", "libneuronxla": "2.2.15515.0",
+            "torch-neuronx": "2.9.0.2.12.22436", "neuronx-distributed": "0.17.26814",
+            "neuronx-distributed-inference": "0.8.16251"}
+#: digests of Llama keys computed before families were keyed (inf2serve 11864ba): entries
+#: already in users' caches must keep loading
+LLAMA_DIGESTS = {
+    "neuron": ({}, "5732a22021f16173b2d28657581768243b50896ac34ed6c17ac378596543658f"),
+    "neuron-micro-tp8": ({"batching": "micro", "neuron": {"tp_degree": 8}},
+                         "0e09badf58c31fe0ed3875c62feb23c755c52c613bfa2ee22b8810f0d48252b0"),
+    "neuron-int8-ods": ({"neuron": {"quantization": {"weights": "int8", "kv_cache": "fp8"},
+                                    "on_device_sampling": True}},
+                        "2e19df25baf13f7453cd31cad4594797363ac2ac18fa8e9eff85ecc9a04816f7"),
+    "neuron-spec": ({"neuron": {"on_device_sampling": True,
+                                "speculation": {"draft_checkpoint": "draft", "length": 4}}},
+                    "3b448ff4d206a7ca49c45faf8ae3fb80c9713b23099e5e3fc48633d524a786ef"),
+    "nxdi": ({"backend": "nxdi"},
+             "3a0f5651123295a80c0beadb1f89ab1d478c7c60857b4d507e90e178152a1356"),
+    "nxdi-int8": ({"backend": "nxdi", "neuron": {"quantization": {"weights": "int8"},
+                                                 "on_device_sampling": True}},
+                  "088bea83a5d54a61a4b3edd90efbf6c0b99da85ca1a4053a2567e7afe1103e65"),
+    "nxdi-spec": ({"backend": "nxdi", "neuron": {
+        "on_device_sampling": True, "speculation": {"draft_checkpoint": "draft", "length": 4}}},
+        "8fa944f206fd4fb815d3638d6d4edfced40dde2b31f430f580e6be7a4871e8bb"),
+}
+
+
+@pytest.mark.parametrize("case", list(LLAMA_DIGESTS))
+def test_llama_keys_are_byte_identical_to_before_families(case: str) -> None:
+    handler, digest = LLAMA_DIGESTS[case]
+    draft = {**MODEL, "num_hidden_layers": 1} if "spec" in case else None
+    key = _key(handler, sdk=NXDI_SDK if case.startswith("nxdi") else SDK, draft=draft)
+    assert key.family == "llama" and "family" not in key.to_dict()
+    assert key.digest == digest
+
+
+def test_the_family_and_its_class_are_keyed() -> None:
+    mistral = {**MODEL, "model_type": "mistral", "sliding_window": None}
+    key = _key(model=mistral)
+    assert key.model_class == "mistral.model.MistralForSampling"
+    assert key.to_dict()["family"] == "mistral" and key.entry_name.startswith("mistral-")
+    assert KeyInputs.from_dict(key.to_dict()) == key
+    # the same graph settings under another family name are another entry
+    assert dataclasses.replace(key, family="mixtral").digest != key.digest
+    nxdi = _key({"backend": "nxdi"}, model=mistral, sdk=NXDI_SDK)  # Mistral via the Llama class
+    assert nxdi.model_class == "nxdi:models.llama.modeling_llama.NeuronLlamaForCausalLM"
+    assert nxdi.digest != _key({"backend": "nxdi"}, sdk=NXDI_SDK).digest
+
+
+def test_an_entry_written_before_families_reads_as_llama() -> None:
+    old = BASE.to_dict()
+    assert "family" not in old and KeyInputs.from_dict(old).family == "llama"

@@ -24,7 +24,7 @@ SDK = {"neuronx-cc": "2.15.128.0", "transformers-neuronx": "0.13.322", "torch-ne
 
 def _key(sdk: dict | None = None, **neuron):
     cfg = parse_config({"handler": {"backend": "neuron", "neuron": neuron}}).handler
-    return key_inputs(cfg, MODEL, sdk or SDK)
+    return key_inputs(cfg, MODEL, sdk or SDK, model_class="llama.model.LlamaForSampling")
 
 
 class Model:
@@ -135,7 +135,8 @@ WORKER = textwrap.dedent("""
             Path(d).mkdir(parents=True, exist_ok=True)
             Path(d, "x.neff").write_bytes(b"neff")
     cfg = parse_config({"handler": {"backend": "neuron"}}).handler
-    key = key_inputs(cfg, {"model_type": "llama"}, {"neuronx-cc": "1"})
+    key = key_inputs(cfg, {"model_type": "llama"}, {"neuronx-cc": "1"},
+                     model_class="llama.model.LlamaForSampling")
     print("compiled" if compile_or_load(CacheStore(Path(root)), key, Model()).compiled
           else "loaded")
 """)

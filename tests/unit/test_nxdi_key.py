@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from handlers.config import parse_config
+from handlers.families import family_name, model_class_for
 from neuron_cache.key import NXDI_SDK_DISTRIBUTIONS, SDK_DISTRIBUTIONS, key_inputs, sdk_versions
 
 MODEL = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
@@ -17,8 +18,11 @@ SDK = {"neuronx-cc": "2.23.6484.0", "libneuronxla": "2.2.15515.0",
 
 
 def _key(handler: dict | None = None, sdk: dict | None = None, model: dict | None = None):
-    h = {"backend": "nxdi", **(handler or {})}
-    return key_inputs(parse_config({"handler": h}).handler, model or MODEL, sdk or SDK)
+    h = parse_config({"handler": {"backend": "nxdi", **(handler or {})}}).handler
+    model = model or MODEL  # the class as the backend resolves it
+    return key_inputs(h, model, sdk or SDK,
+                      model_class=model_class_for("nxdi", model, h.nxdi.model_class),
+                      family=family_name(model))
 
 
 BASE = _key()
