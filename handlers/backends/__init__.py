@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from handlers.backends.base import Backend, Capabilities
@@ -33,6 +33,22 @@ def capabilities_for(config: HandlerConfig) -> Capabilities:
     from handlers.backends.base import Capabilities
 
     return Capabilities()  # torch: host sampling from full logits, every prompt position
+
+
+def family_problems(config: HandlerConfig, model_config: dict[str, Any],
+                    draft_config: dict[str, Any] | None = None) -> list[str]:
+    """What the configured Neuron backend's SDK refuses, ignores or fails on of this
+    checkpoint's family with these settings, one line each (none for torch and synthetic).
+    Each backend keeps its per-family rules in one module: neuron_families, nxdi_families."""
+    if config.backend == "neuron":
+        from handlers.backends.neuron_families import problems
+
+        return problems(config, model_config, draft_config)
+    if config.backend == "nxdi":
+        from handlers.backends.nxdi_families import problems
+
+        return problems(config, model_config, draft_config)
+    return []
 
 
 def load_backend(config: HandlerConfig, model_dir: Path,

@@ -51,8 +51,10 @@ from handlers.backends.capabilities import (
 )
 from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
+from handlers.backends.neuron_families import check_family
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
+from handlers.families import family_name
 from handlers.structured.masks import SlotGrammars
 from neuron_cache.compile import compile_or_load
 from neuron_cache.key import context_buckets, key_inputs, neuron_config_spec, read_model_config
@@ -69,7 +71,7 @@ def resolve_model_class(name: str) -> type:
     """"llama.model.LlamaForSampling" -> transformers_neuronx.llama.model.LlamaForSampling."""
     return import_sdk_class("transformers_neuronx", name,
                             sdk=("transformers_neuronx", "torch_neuronx"), backend="neuron",
-                            key="handler.neuron.model_class_name",
+                            key="handler.neuron.model_class_name (or the family's class)",
                             example="'<module>.<Class>', e.g. 'llama.model.LlamaForSampling'",
                             install=INSTALL)
 
@@ -204,12 +206,14 @@ class NeuronBackend(Backend):
             apply_neuron_env(neuron_env(config, self._claim.cores, model_dir))
             model_config = read_model_config(checkpoint)
             self.eos_token_ids = read_eos_ids(checkpoint, model_config)
-            model_cls = resolve_model_class(n.model_class_name)
-            runner_cls = _ContinuousRunner if config.batching == "continuous" else _MicroRunner
-            runner_cls.check(model_cls, context_buckets(config))  # before compiling
             draft_dir = Path(model_dir) / sp.draft_checkpoint if sp.enabled else None
             draft_config = read_draft_config(draft_dir) if draft_dir else None
-            inputs = key_inputs(config, model_config, draft_model_config=draft_config)
+            class_name = check_family(config, model_config, draft_config)
+            model_cls = resolve_model_class(class_name)
+            runner_cls = _ContinuousRunner if config.batching == "continuous" else _MicroRunner
+            runner_cls.check(model_cls, context_buckets(config))  # before compiling
+            inputs = key_inputs(config, model_config, draft_model_config=draft_config,
+                                model_class=class_name, family=family_name(model_config))
 
             def model_kwargs() -> dict[str, Any]:  # a NeuronConfig per model: the SDK edits it
                 return {"batch_size": config.batch_size, "tp_degree": n.tp_degree,
@@ -220,8 +224,7 @@ class NeuronBackend(Backend):
                             n.compilation_worker_count, on_device_embedding=sp.enabled)}
 
             # from_pretrained hands these to the class (module.py:L424-L426)
-            check_keywords(model_cls, list(model_kwargs()), f"handler.neuron.model_class_name "
-                           f"{n.model_class_name}")
+            check_keywords(model_cls, list(model_kwargs()), f"model class {class_name}")
             self.model = model_cls.from_pretrained(str(checkpoint), **model_kwargs())
             compiled: Any = self.model
             if draft_dir is not None:

@@ -62,8 +62,10 @@ from handlers.backends.capabilities import (
 from handlers.backends.capabilities import device_sampling_row as capabilities_row
 from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
+from handlers.backends.nxdi_families import check_family
 from handlers.config import HandlerConfig
 from handlers.errors import CacheError, ConfigError, GenerationError, RequestError
+from handlers.families import family_name
 from neuron_cache.compile import compile_or_load
 from neuron_cache.key import KeyInputs, key_inputs, nxdi_buckets, read_model_config
 from neuron_cache.store import ARTIFACTS, TMP_PREFIX, CacheStore, fsync_dir, fsync_tree
@@ -92,8 +94,8 @@ WEIGHTS_FIELD = "_inf2serve_weights"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def build_neuron_config(spec: dict[str, Any], quantized_checkpoints_path: str | None = None
-                        ) -> Any:
+def build_neuron_config(spec: dict[str, Any], quantized_checkpoints_path: str | None = None,
+                        neuron_config_cls: type | None = None) -> Any:
     """NeuronConfig from our plain-data spec (neuron_cache.key.nxdi_neuron_config).
 
     NeuronConfig logs and drops keywords it does not know (models/config.py:L604-L605), so a
@@ -104,8 +106,14 @@ def build_neuron_config(spec: dict[str, Any], quantized_checkpoints_path: str | 
     (modules/kvcache/kv_cache_manager.py:L139-L150, models/model_wrapper.py:L148-L157); up
     to 0.7 kv_cache_quant itself makes the cache fp8 and there is no kv_quant_config, which
     that NeuronConfig drops with a warning. We pass both and accept either.
+
+    `neuron_config_cls`: the family's (InferenceConfig.get_neuron_config_cls(): Mixtral's
+    is MoENeuronConfig, Qwen's a NeuronConfig that names their attention class,
+    models/mixtral/modeling_mixtral.py:L156-L158, qwen2/modeling_qwen2.py:L50-L54).
     """
     from neuronx_distributed_inference.models.config import NeuronConfig, OnDeviceSamplingConfig
+
+    NeuronConfig = neuron_config_cls or NeuronConfig  # noqa: N806
 
     kwargs = dict(spec)
     sampling = kwargs.pop("on_device_sampling_config")
@@ -423,7 +431,7 @@ class _Row:
 class NxdiBackend(Backend):
     def __init__(self, checkpoint: Path, config: HandlerConfig, model_dir: Path,
                  cores: Sequence[int] | None = None) -> None:
-        n, x = config.neuron, config.nxdi
+        n = config.neuron
         if config.batching != "continuous":
             raise ConfigError("handler.batching: backend nxdi runs continuous batching only")
         check_speculation(config)
@@ -448,18 +456,21 @@ class NxdiBackend(Backend):
             apply_neuron_env(neuron_env(config, self._claim.cores, model_dir))
             model_config = read_model_config(checkpoint)
             self.eos_token_ids = read_eos_ids(checkpoint, model_config)
-            model_cls = resolve_model_class(x.model_class)
-            from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
-
             draft_dir = Path(model_dir) / n.speculation.draft_checkpoint
             draft_model_config = read_draft_config(draft_dir) if self.speculation else None
-            inputs = quantized_key(key_inputs(config, model_config,
-                                              draft_model_config=draft_model_config), checkpoint)
+            class_name = check_family(config, model_config, draft_model_config)
+            model_cls = resolve_model_class(class_name)
+            from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
+
+            inputs = quantized_key(key_inputs(
+                config, model_config, draft_model_config=draft_model_config,
+                model_class=class_name, family=family_name(model_config)), checkpoint)
             store = CacheStore(cache_root(config, model_dir))
             quantized = bool(inputs.neuron_config.get("quantized"))
             entry_checkpoint = store.root / inputs.entry_name / ARTIFACTS / QUANTIZED_DIR
             neuron_config = build_neuron_config(
-                inputs.neuron_config, str(entry_checkpoint) if quantized else None)
+                inputs.neuron_config, str(entry_checkpoint) if quantized else None,
+                model_cls.get_config_cls().get_neuron_config_cls())
             inference_config = model_cls.get_config_cls()(
                 neuron_config, load_config=load_pretrained_config(str(checkpoint)))
             if self.speculation:

@@ -17,7 +17,10 @@ from transformers_neuronx.config import (
 )
 from transformers_neuronx.constants import GQA, Layout
 from transformers_neuronx.llama.model import LlamaForSampling
+from transformers_neuronx.mistral.model import MistralForSampling
+from transformers_neuronx.mixtral.model import MixtralForSampling
 from transformers_neuronx.version import __version__
 
 __all__ = ["GQA", "ContinuousBatchingConfig", "GenerationConfig", "Layout", "LlamaForSampling",
-           "NeuronConfig", "QuantizationConfig", "__version__"]
+           "MistralForSampling", "MixtralForSampling", "NeuronConfig", "QuantizationConfig",
+           "__version__"]

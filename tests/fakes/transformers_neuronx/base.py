@@ -45,6 +45,7 @@ def _sanity_check(kwargs: dict) -> None:
 class NeuronModelBase:
     config: object
     neuron_config: object
+    HF_CLASS = "LlamaForCausalLM"  # the transformers class the fake computes with
 
     @classmethod
     def from_pretrained(cls, pretrained_model_path, *model_args, **kwargs):
@@ -126,16 +127,25 @@ class NeuronModelBase:
         self._neffs, self._hf, self._kv = neffs, hf, {}
 
     def _build_hf(self, weights: Weights):
-        from transformers import LlamaForCausalLM
+        import transformers
 
         config = self._checkpoint_config
-        hf = LlamaForCausalLM(config)
-        names = list(hf.state_dict())
-        hf.load_state_dict(weights.materialize(names), strict=True)
-        self._quantize_weights(hf)  # from the checkpoint's values, before amp (decoder.py:L1581)
+        hf = getattr(transformers, self.HF_CLASS)(config)
+        tensors = weights.materialize(self._checkpoint_names(hf))
+        # quantized from the checkpoint's values, before amp (decoder.py:L1581)
+        self._quantize_weights(tensors)
+        self._load_hf(hf, tensors)
         return hf.to(self.dtype).eval()
 
-    def _quantize_weights(self, hf) -> None:
+    def _checkpoint_names(self, hf) -> list[str]:
+        """The checkpoint weights the real load_weights reads: transformers' names for these
+        families (Mixtral's experts differ under transformers 5: mixtral/model.py)."""
+        return list(hf.state_dict())
+
+    def _load_hf(self, hf, tensors: dict[str, torch.Tensor]) -> None:
+        hf.load_state_dict(tensors, strict=True)
+
+    def _quantize_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Subclasses: the layers' weights as the device holds them (none here)."""
 
     def _build_graphs(self) -> None:

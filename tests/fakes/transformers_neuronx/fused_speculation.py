@@ -133,6 +133,8 @@ class FusedSpeculativeDecoder(FusedSpeculativeBase):
                 raise RuntimeError(f"fake: FusedSpeculativeDecoder.to_neuron() before "
                                    f"{name}.to_neuron(); the real graph is set up with the "
                                    "models' loaded weights (fused_speculation.py:L492-L495)")
+        for n_positions in self.buckets:  # the target verifies k + 1 tokens per step
+            self.target._check_active_tokens(self.k + 1, n_positions)
         if workers is None:  # BucketedParallelProgram.build (program.py:L364-L369)
             workers = len(self.batch_sizes) * len(self.buckets)
         if workers <= 0:

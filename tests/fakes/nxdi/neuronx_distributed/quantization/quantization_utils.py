@@ -18,12 +18,16 @@ _EPS = torch.finfo(torch.float32).eps
 
 
 class QuantizedLinear(torch.nn.Module):
-    """A Linear after quantization: what its state dict holds (weight, scale)."""
+    """A Linear after quantization: what its state dict holds (weight, scale, and its bias
+    where it has one: convert_qint8_to_int8_state_dict keeps the packed bias, L116-L121)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
+        if bias is not None:
+            self.register_buffer("bias", bias.detach().clone())
 
 
 def _int8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +61,8 @@ def _quantize(model: torch.nn.Module, dtype, per_channel: bool, skip: list[str])
             continue
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, leaf, QuantizedLinear(*how(getattr(owner, leaf).weight)))
+        linear = getattr(owner, leaf)
+        setattr(owner, leaf, QuantizedLinear(*how(linear.weight), linear.bias))
     return model
 
 

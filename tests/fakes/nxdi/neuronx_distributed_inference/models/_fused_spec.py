@@ -66,11 +66,14 @@ def check_trace(model) -> None:
 
 def draft_weights(model):
     """The draft's HF model from its own checkpoint, read at every load (AB:L658-L671)."""
-    from transformers import LlamaForCausalLM
+    from neuronx_distributed_inference.models.model_base import hf_from_pretrained
 
     spec = model.fused_spec_config
     draft_nc = spec.draft_config.neuron_config
-    hf = LlamaForCausalLM.from_pretrained(str(spec.draft_model_path).rstrip("/"))
+    # built with the target's class (worker_cls), from the draft's own config and weights
+    model.check_weights(spec.draft_config)
+    hf = hf_from_pretrained(model.hf_class(spec.draft_config),
+                            str(spec.draft_model_path).rstrip("/"))
     model._hook_kv_cache(hf, draft_nc)
     return hf.to(draft_nc.torch_dtype).eval()
 

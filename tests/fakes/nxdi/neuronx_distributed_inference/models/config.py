@@ -207,6 +207,18 @@ class NeuronConfig:
         QuantizedDtype.has_dtype(self.quantization_dtype)
 
 
+class MoENeuronConfig(NeuronConfig):
+    """The NeuronConfig of mixture-of-experts models (L757-L805): the fields the fake reads;
+    moe_tp_degree / moe_ep_degree are read by modules/moe_v2.py only, not Mixtral's."""
+
+    def __init__(self, capacity_factor: float = None, glu_mlp: bool = True, **kwargs) -> None:
+        self.capacity_factor = float(capacity_factor) if capacity_factor is not None else None
+        self.glu_mlp = glu_mlp
+        self.moe_tp_degree = kwargs.pop("moe_tp_degree", 1)
+        self.moe_ep_degree = kwargs.pop("moe_ep_degree", 1)
+        super().__init__(**kwargs)
+
+
 class InferenceConfig:
     """Model config (from load_config) plus the NeuronConfig; saved as neuron_config.json."""
 

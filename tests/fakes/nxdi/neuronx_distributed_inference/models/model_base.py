@@ -191,6 +191,10 @@ class NeuronBaseForCausalLM(torch.nn.Module):
             if quantization_type not in (QuantizationType.PER_CHANNEL_SYMMETRIC,
                                          QuantizationType.PER_TENSOR_SYMMETRIC):
                 raise RuntimeError(f"{nc.quantization_type} is not supported")
+        # the traced model is built from the config, its state dict converted (fake: both
+        # checked by the family module)
+        self.check_weights(self.config)
+        self.hf_class(self.config)
         if self.fused:  # NeuronFusedSpecModel is built and traced here
             fused_spec.check_trace(self)
         if dry_run:
@@ -246,6 +250,17 @@ class NeuronBaseForCausalLM(torch.nn.Module):
     @staticmethod
     def load_hf_model(model_path):
         raise NotImplementedError("load_hf_model is not implemented")  # AB:L799-L802
+
+    @classmethod
+    def hf_class(cls, config):
+        """Fake only: the transformers class that computes what this class's traced graphs
+        compute, for this checkpoint (each family module names its own)."""
+        raise NotImplementedError(f"fake: {cls.__name__} names no transformers class")
+
+    @classmethod
+    def check_weights(cls, config) -> None:
+        """Fake only: what converting this checkpoint's state dict for the traced model
+        fails on (convert_hf_to_neuron_state_dict); each family module adds its own."""
 
     @classmethod
     def get_state_dict(cls, model_name_or_path: str, config) -> dict:
@@ -334,15 +349,17 @@ class NeuronBaseForCausalLM(torch.nn.Module):
         quantized checkpoint's dequantized (weight * scale) where the trace converted a
         layer (MW:L1692-L1706; modules_to_not_convert are substrings of the traced module
         names, quantization/quantize.py:L122-L123 in neuronx-distributed)."""
-        from transformers import AutoConfig, LlamaForCausalLM
+        from transformers import AutoConfig
 
         nc = self.neuron_config
         path = self.model_path.rstrip("/")
+        self.check_weights(self.config)
+        hf_cls = self.hf_class(self.config)
         if not nc.quantized:
-            hf = LlamaForCausalLM.from_pretrained(path)
+            hf = hf_from_pretrained(hf_cls, path)
         else:
             sd = self.checkpoint_loader_fn()
-            hf = LlamaForCausalLM(AutoConfig.from_pretrained(path))
+            hf = hf_cls(AutoConfig.from_pretrained(path))
             want = QuantizedDtype.get_dtype(nc.quantization_dtype)
             skip = nc.modules_to_not_convert or []
             weights = {}
@@ -596,6 +613,18 @@ class NeuronBaseForCausalLM(torch.nn.Module):
                                use_cache=False)
         # logits.float() (MB:L1028)
         return out.logits[0, -1, : vocab_size or self.vocab_size].float()
+
+
+def hf_from_pretrained(hf_cls, path: str):
+    """transformers' model with the checkpoint's weights; a weight the model has and the
+    checkpoint lacks fails, as it does where NxD Inference shards the state dict onto the
+    traced model (a tied lm_head is copied from the embedding first, AB:L729-L730, as
+    transformers ties it)."""
+    hf, info = hf_cls.from_pretrained(path, output_loading_info=True)
+    if info.get("missing_keys"):
+        raise RuntimeError(f"fake: the checkpoint {path} has no {sorted(info['missing_keys'])[:3]} "
+                           f"that {hf_cls.__name__}'s layers read")
+    return hf
 
 
 def program_digest(path) -> str:
