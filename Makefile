@@ -39,6 +39,7 @@ NEURON_STACK_TESTS := $(filter-out tests/unit/test_neuron_speculation.py \
 	tests/unit/test_engine.py tests/unit/test_request.py tests/unit/test_detokenize.py \
 	tests/unit/test_openai_api.py tests/unit/test_engine_client.py \
 	tests/unit/test_synthetic_backend.py tests/unit/test_worker_service.py tests/unit/test_prompt_encoder.py \
+	tests/unit/test_families.py tests/unit/test_backend_families.py tests/unit/test_family_matrix.py \
 	tests/unit/test_structured.py
 stack_only_4.48.3 := tests/unit/test_neuron_speculation.py
 stack_only_4.57.6 := tests/unit/test_nxdi_speculation.py tests/e2e/test_synthetic_e2e.py \

@@ -23,7 +23,7 @@ import yaml
 
 from archive_tools import transformers4
 from archive_tools.template_checks import check_chat_template
-from handlers.backends import capabilities_for
+from handlers.backends import capabilities_for, family_problems
 from handlers.backends.capabilities import check_defaults
 from handlers.checkpoint_checks import check_archive, check_positions, check_weights, read_json
 from handlers.config import FrontendConfig, ModelConfig, parse_config
@@ -204,6 +204,7 @@ def check_load(config_path: Path, checkpoint: Path, *, fill_frontend: bool = Tru
     checked = check_archive({**raw, **added}, config, checkpoint)
     h = checked.config.handler
     check_defaults(h, capabilities_for(h))
+    check_family(h, read_json(checkpoint / "config.json"))
     tokenizer = check_loads(checkpoint, flag)
     check_chat_template(tokenizer, h.chat_template)
     notes = []
@@ -224,6 +225,16 @@ def check_load(config_path: Path, checkpoint: Path, *, fill_frontend: bool = Tru
                       checked.warnings, tuple(notes), checked.taken)
 
 
+def check_family(h: Any, model_config: dict[str, Any],
+                 draft_config: dict[str, Any] | None = None) -> None:
+    """What the Neuron backend's SDK refuses, ignores or fails on of this checkpoint's family
+    with these settings (handlers/backends/*_families.py), in one line: the worker's start
+    refuses the same before compiling."""
+    found = family_problems(h, model_config, draft_config)
+    if found:
+        raise Inf2ServeError("; ".join(found))
+
+
 def check_draft(config: ModelConfig, checkpoint: Path, draft: Path,
                 flag: str = "--draft-checkpoint") -> tuple[Path, ...]:
     """The speculation draft (handler.neuron.speculation) gets the model's load checks:
@@ -239,12 +250,23 @@ def check_draft(config: ModelConfig, checkpoint: Path, draft: Path,
         check_positions(config.handler, model_config, draft / "config.json")
     except ConfigError as exc:
         raise Inf2ServeError(f"{flag} {draft}: {exc}") from exc
-    ours = read_json(Path(checkpoint) / "config.json").get("vocab_size")
-    theirs = model_config.get("vocab_size")
-    if ours != theirs:
+    target = read_json(Path(checkpoint) / "config.json")
+    ours, theirs = target.get("vocab_size"), model_config.get("vocab_size")
+    h = config.handler
+    # NxD Inference has no such assert: a draft whose vocabulary is the model's padded less
+    # (Qwen2.5-0.5B's 151936 for Qwen2.5-7B's 152064) proposes only ids the model knows
+    padded_less = (h.backend == "nxdi" and isinstance(ours, int) and isinstance(theirs, int)
+                   and theirs <= ours)
+    if ours != theirs and not padded_less:
         raise Inf2ServeError(f"{flag} {draft}: vocab_size {theirs} differs from the model's "
                              f"{ours} ({Path(checkpoint) / 'config.json'}); the draft must share "
-                             "the model's tokenizer (e.g. Llama-3.2-1B for Llama-3.1-8B)")
+                             "the model's tokenizer (e.g. Llama-3.2-1B for Llama-3.1-8B; on "
+                             "backend nxdi a smaller padded vocabulary, e.g. Qwen2.5-0.5B for "
+                             "Qwen2.5-7B)")
+    try:
+        check_family(h, target, model_config)
+    except Inf2ServeError as exc:
+        raise Inf2ServeError(f"{flag} {draft}: {exc}") from exc
     problems = check_transformers4(draft).problems  # speculation runs on Neuron backends
     if problems:
         raise Inf2ServeError(f"{flag} {draft}: {problems[0]}")

@@ -17,6 +17,7 @@ import argparse
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from archive_tools.host_sampling_cost import host_sampling_line
 from archive_tools.load_checks import check_load, read_model_config
@@ -36,12 +37,13 @@ from archive_tools.neuron_sizing import (
     token_buckets,
     tp_degrees_for,
 )
-from handlers.backends import capabilities_for
+from handlers.backends import capabilities_for, family_problems
 from handlers.backends.capabilities import check_defaults
 from handlers.checkpoint_checks import read_json
 from handlers.config import ModelConfig
 from handlers.errors import ConfigError
 from handlers.families import ARCHITECTURES as KNOWN_CONFIGS
+from handlers.families import family_for, known_architecture, model_class_for
 from neuron_cache.key import context_buckets
 
 __all__ = ["ARCHITECTURES", "INSTANCES", "Arch", "Report", "arch_from_config_json",
@@ -76,12 +78,15 @@ class Weights:
 ARCHITECTURES = {name: arch_from_config_json(c) for name, c in KNOWN_CONFIGS.items()}
 
 
-def resolve_arch(cfg: ModelConfig, checkpoint: Path | None, model_json: Path | None) -> Arch | None:
+def resolve_model_config(cfg: ModelConfig, checkpoint: Path | None,
+                         model_json: Path | None) -> dict[str, Any] | None:
+    """The model's config.json fields: the checkpoint's, a --model-json, or those of the
+    architecture handler.neuron.architecture names (handlers/families.py)."""
     path = model_json or (checkpoint / "config.json" if checkpoint else None)
     if path is not None:
         if not path.is_file():
             raise ConfigError(f"{path}: no such file; pass a checkpoint directory or config.json")
-        return arch_from_config_json(read_json(path))  # a damaged file is named
+        return read_json(path)  # a damaged file is named
     name = cfg.handler.neuron.architecture
     if not name:
         return None
@@ -90,7 +95,34 @@ def resolve_arch(cfg: ModelConfig, checkpoint: Path | None, model_json: Path | N
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"handler.neuron.architecture: {name!r} is unknown{hint} (known: "
                           f"{', '.join(ARCHITECTURES)}); or pass --checkpoint")
-    return ARCHITECTURES[name]
+    return known_architecture(name)
+
+
+def resolve_arch(cfg: ModelConfig, checkpoint: Path | None, model_json: Path | None) -> Arch | None:
+    model_config = resolve_model_config(cfg, checkpoint, model_json)
+    return arch_from_config_json(model_config) if model_config is not None else None
+
+
+def check_family(cfg: ModelConfig, model_config: dict[str, Any] | None) -> Report:
+    """The family's class on this backend and what its SDK refuses of it (the backends'
+    *_families.py), with the speculation draft's family where validate knows it."""
+    out, h = Report(), cfg.handler
+    if model_config is None:
+        out.notes.append("no config.json: the family's rules are not checked (pass "
+                         "--checkpoint/--model-json or set handler.neuron.architecture)")
+        return out
+    sp = h.neuron.speculation
+    draft = known_architecture(sp.draft_architecture) if sp.enabled else None
+    out.problems += family_problems(h, model_config, draft)
+    family = family_for(model_config.get("model_type"))
+    if family is not None and not out.problems:
+        setting = h.nxdi.model_class if h.backend == "nxdi" else h.neuron.model_class_name
+        sdk = ("NxD Inference 0.8 (Neuron SDK 2.28)" if h.backend == "nxdi"
+               else "transformers-neuronx 0.13")
+        out.notes.append(f"family {family.name}: {family.summary}; built as "
+                         f"{model_class_for(h.backend, model_config, setting)} "
+                         f"({sdk})")
+    return out
 
 
 def checkpoint_weights(checkpoint: Path) -> Weights:
@@ -304,8 +336,10 @@ def _merge(report: Report, part: Report) -> None:
 
 
 def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
-             label: str = "the model", weights: Weights | None = None) -> Report:
-    """Every problem found (empty = fits), warnings with numbers, and what was not checked."""
+             label: str = "the model", weights: Weights | None = None,
+             model_config: dict[str, Any] | None = None) -> Report:
+    """Every problem found (empty = fits), warnings with numbers, and what was not checked.
+    `model_config`: config.json's fields, for the family's rules (none checked without)."""
     h, report = cfg.handler, Report()
     if instance and instance not in INSTANCES:  # whatever the backend: a typo is a typo
         close = difflib.get_close_matches(instance, list(INSTANCES), n=1)
@@ -315,9 +349,12 @@ def validate(cfg: ModelConfig, arch: Arch | None, instance: str | None,
     if h.backend not in ("neuron", "nxdi"):
         report.notes.append(f"backend {h.backend}: no Neuron checks")
         return report
+    if model_config is not None:
+        _merge(report, check_family(cfg, model_config))
     n = h.neuron
     if h.backend == "nxdi":
-        return validate_nxdi(cfg, arch, instance, label)
+        _merge(report, validate_nxdi(cfg, arch, instance, label))
+        return report
     if cfg.frontend.device_type != "neuron":
         report.notes.append(f"deviceType is {cfg.frontend.device_type!r}; 'neuron' is usual for "
                             "the neuron backend")
@@ -453,10 +490,12 @@ def _run(args: argparse.Namespace) -> int:
     if loaded is not None:
         cfg = loaded.config  # with the checkpoint's generation defaults
     check_defaults(cfg.handler, capabilities_for(cfg.handler))
-    arch = resolve_arch(cfg, checkpoint, Path(args.model_json) if args.model_json else None)
+    model_config = resolve_model_config(cfg, checkpoint,
+                                        Path(args.model_json) if args.model_json else None)
+    arch = arch_from_config_json(model_config) if model_config is not None else None
     label = cfg.handler.neuron.architecture or "the model"
     weights = checkpoint_weights(checkpoint) if checkpoint else None
-    report = validate(cfg, arch, args.instance, label, weights)
+    report = validate(cfg, arch, args.instance, label, weights, model_config)
     if loaded is not None:
         report.notes[:0], report.warnings[:0] = loaded.notes, loaded.warnings
     for kind, lines in (("note", report.notes), ("warning", report.warnings),
