@@ -26,6 +26,8 @@ import yaml
 from archive_tools.fileops import human
 from handlers.config import DTYPE_AMP, parse_config, resolve_dtype
 from handlers.errors import Inf2ServeError
+from handlers.families import family_name, model_class_for
+from neuron_cache.key import LEGACY_FAMILY
 
 NEURON_BACKENDS = ("neuron", "nxdi")
 MAX_HEADER = 100 << 20  # a safetensors header above this is not one
@@ -203,6 +205,19 @@ def neuron_features(h: dict[str, Any]) -> str:
     return ", ".join(p for p in parts if p) or "none"
 
 
+def family_line(h: Any, cfg_json: dict[str, Any]) -> str:
+    """The checkpoint's family and, on a Neuron backend, the SDK class it runs with (or why
+    it cannot): "mistral (mistral.model.MistralForSampling)"."""
+    family = family_name(cfg_json)
+    if h.backend not in NEURON_BACKENDS:
+        return family
+    setting = h.nxdi.model_class if h.backend == "nxdi" else h.neuron.model_class_name
+    try:
+        return f"{family} ({model_class_for(h.backend, cfg_json, setting)})"
+    except ValueError as exc:
+        return f"{family} (refused: {exc})"
+
+
 def summarize(snap: Snapshot) -> dict[str, Any]:
     """Plain data for the tables (and --json): manifest, config, checkpoint, cache."""
     manifest = snap.json("MAR-INF/MANIFEST.json")
@@ -244,6 +259,7 @@ def summarize(snap: Snapshot) -> dict[str, Any]:
                 "entry": name.split("/")[1], "tp_degree": inputs.get("tp_degree"),
                 "batch_size": inputs.get("batch_size"), "n_positions": inputs.get("n_positions"),
                 "amp": inputs.get("amp"), "sdk": inputs.get("sdk", {}),
+                "family": inputs.get("family", LEGACY_FAMILY),
                 "size": sum(int(f.get("size", 0)) for f in meta.get("files", {}).values())})
     return {
         "manifest": manifest,
@@ -251,6 +267,7 @@ def summarize(snap: Snapshot) -> dict[str, Any]:
         "checkpoint": {
             "dir": ckpt, "architecture": (cfg_json.get("architectures") or ["?"])[0],
             "model_type": cfg_json.get("model_type", "?"),
+            "family": family_line(config.handler, cfg_json),
             "layers": cfg_json.get("num_hidden_layers"), "hidden": cfg_json.get("hidden_size"),
             "vocab": cfg_json.get("vocab_size"), "config_dtype": cfg_json.get("dtype",
                                                                                cfg_json.get("torch_dtype")),
@@ -302,6 +319,7 @@ def _render(path: Path, s: dict[str, Any]) -> None:
     table(f"checkpoint {k['dir']}/", [
         ("architecture", f"{k['architecture']} ({k['model_type']}, {k['layers']} layers, "
                          f"hidden {k['hidden']}, vocab {k['vocab']})"),
+        ("family", k["family"]),
         ("params", params), ("dtype", f"{dtypes} (config.json: {k['config_dtype']})"),
         ("size", human(k["bytes"])),
         ("layout", f"legacy split, {k['legacy_split_files']} files" if k["legacy_split_files"]

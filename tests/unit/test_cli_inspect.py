@@ -68,6 +68,26 @@ def test_neuron_archive_shows_its_neuron_settings(tiny_checkpoint: Path, tmp_pat
     assert "tp_degree=" in out and "Neuron compile cache: none" in out
     assert "amp=bf16" in out  # handler.dtype auto, resolved for the neuron backend
     assert "speedups" in out and "none" in out
+    # the checkpoint's family, with the class the backend builds it with
+    assert "family" in out and "llama (llama.model.LlamaForSampling)" in out
+
+
+def test_a_family_the_backend_cannot_run_says_so(tmp_path: Path, tiny_checkpoint: Path,
+                                                  capsys, monkeypatch) -> None:
+    from tests.family_checkpoints import build_family_checkpoint
+
+    config = tmp_path / "nxdi.yaml"
+    config.write_text(CONFIG.read_text().replace("backend: torch", "backend: nxdi"))
+    ckpt = build_family_checkpoint(tmp_path / "qwen", "qwen2", tiny_checkpoint)
+    archive = package(config, ckpt, "q", "no-archive", tmp_path / "store")
+    (archive / "model-config.yaml").write_text(
+        (archive / "model-config.yaml").read_text().replace("backend: nxdi", "backend: neuron"))
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["inspect", str(archive)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2 (refused: qwen2 on backend neuron: transformers-neuronx 0.13 has no Qwen2" in out
+    assert main(["inspect", "--json", str(archive)]) == 0
+    assert '"family": "qwen2 (refused: ' in capsys.readouterr().out
 
 
 def test_neuron_archive_shows_its_quantization_and_device_sampling(
