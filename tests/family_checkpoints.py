@@ -35,7 +35,7 @@ def has_family(family: str) -> bool:
 def family_config(family: str, vocab: int = 1024, **overrides: Any) -> dict[str, Any]:
     base = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 512, "initializer_range": 0.08, "bos_token_id": 1,
+            "max_position_embeddings": 2048, "initializer_range": 0.08, "bos_token_id": 1,
             "eos_token_id": 2, "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
     extra = {"qwen2": {"tie_word_embeddings": True, "use_sliding_window": False},
              "qwen3": {"tie_word_embeddings": True, "head_dim": 32,

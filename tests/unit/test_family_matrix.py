@@ -44,7 +44,7 @@ ROWS = [
     ("neuron-mixtral-int8-experts-per-core", "mixtral", "neuron", {},
      {"quantization": {"weights": "int8"}}, {}, r"2 experts per NeuronCore .*mixtral/hlo.py"),
     ("neuron-mixtral-experts-vs-tp", "mixtral", "neuron", {"num_local_experts": 6},
-     {"tp_degree": 4}, {}, r"tp_degree: 4 with 6 experts .*use one of \[1, 2, 24\]"),
+     {"tp_degree": 4}, {}, r"tp_degree: 4 with 6 experts; .*use one of \[1, 2, 24\]"),
     ("neuron-mixtral-speculation", "mixtral", "neuron", {}, SPEC, {},
      r"mistral/hlo.py:L131-L133"),
     ("nxdi-qwen2-int8-fp8kv-ods-fused-qkv", "qwen2", "nxdi", {},
@@ -145,3 +145,24 @@ def test_a_named_architecture_is_checked_without_a_checkpoint(backend, tmp_path,
     out = capsys.readouterr().out
     cls = "LlamaForSampling" if backend == "neuron" else "NeuronLlamaForCausalLM"
     assert "note: family llama: " in out and cls in out
+
+
+@pytest.mark.parametrize("backend,draft_vocab,ok", [("nxdi", 1000, True), ("nxdi", 1100, False),
+                                                    ("neuron", 1000, False)])
+def test_a_draft_vocabulary_padded_less_is_taken_on_nxdi_only(backend, draft_vocab, ok, tmp_path,
+                                                              tiny_checkpoint, capsys) -> None:
+    """transformers-neuronx asserts equal vocabulary sizes (fused_speculation.py:L308-L310);
+    NxD Inference has no such assert, so Qwen2.5-0.5B (151,936) drafts for Qwen2.5-7B
+    (152,064): a draft may know fewer ids than the model, never more."""
+    family = "qwen2" if backend == "nxdi" else "llama"
+    ckpt = build_family_checkpoint(tmp_path / "ckpt", family, tiny_checkpoint)
+    build_family_checkpoint(tmp_path / "draft", family, tiny_checkpoint, seed=1,
+                            num_hidden_layers=1, vocab=draft_vocab)
+    config = _yaml(tmp_path, backend, SPEC, {})
+    code = main(["package", "--config", str(config), "--checkpoint", str(ckpt),
+                 "--draft-checkpoint", str(tmp_path / "draft"), "--name", "m", "--out",
+                 str(tmp_path / "store"), "--format", "no-archive", "--dry-run"])
+    err = capsys.readouterr().err
+    assert (code == 0) is ok, err
+    if not ok:
+        assert f"vocab_size {draft_vocab} differs from the model's 1024" in err
