@@ -120,8 +120,7 @@ def check_family(cfg: ModelConfig, model_config: dict[str, Any] | None) -> Repor
         sdk = ("NxD Inference 0.8 (Neuron SDK 2.28)" if h.backend == "nxdi"
                else "transformers-neuronx 0.13")
         out.notes.append(f"family {family.name}: {family.summary}; built as "
-                         f"{model_class_for(h.backend, model_config, setting)} "
-                         f"({sdk})")
+                         f"{model_class_for(h.backend, model_config, setting)} by {sdk}")
     return out
 
 
