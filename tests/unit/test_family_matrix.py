@@ -22,6 +22,7 @@ from tests.unit.fakes import one_each
 
 SPEC = {"on_device_sampling": True, "speculation": {"draft_checkpoint": "draft", "length": 2}}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+LINEAR = {"rope_type": "linear", "factor": 2.0}
 
 # (id, family, backend, config.json changes, handler.neuron, handler.nxdi, refusal or None)
 ROWS = [
@@ -37,7 +38,7 @@ ROWS = [
      r"skip_modules: transformers-neuronx's Mistral reads no no_quantize_list"),
     ("neuron-mistral-window-in-prefill", "mistral", "neuron", {"sliding_window": 12},
      {"context_length_estimate": [8, 64]}, {}, r"prefill bucket of 64 exceeds .*sliding_window 12"),
-    ("neuron-mistral-rope-scaling", "mistral", "neuron", {"rope_scaling": YARN}, {}, {},
+    ("neuron-mistral-rope-scaling", "mistral", "neuron", {"rope_scaling": LINEAR}, {}, {},
      r"rope_scaling .*reads no rope_scaling"),
     ("neuron-mixtral-tp4-int8", "mixtral", "neuron", {},
      {"tp_degree": 4, "quantization": {"weights": "int8"}}, {}, None),
