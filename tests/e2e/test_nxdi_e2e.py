@@ -104,27 +104,3 @@ def test_two_workers_compile_once_on_disjoint_cores(tiny_checkpoint, tmp_path_fa
         except AssertionError:
             print(logs(server.run_dir))
             raise
-
-
-def test_a_qwen2_checkpoint_streams_its_greedy_text_with_joins(tiny_checkpoint,
-                                                               tmp_path_factory) -> None:
-    """A Qwen2 checkpoint (q/k/v bias, tied embeddings) on NxD Inference's Qwen2 class, from
-    its model_type, through TorchServe: greedy text equal to transformers', and 1-token
-    prompts joining a running request leave its text unchanged."""
-    from tests.family_checkpoints import build_family_checkpoint
-
-    root = tmp_path_factory.mktemp("nxdi-e2e-qwen2")
-    ckpt = build_family_checkpoint(root / "qwen2", "qwen2", tiny_checkpoint)
-    store = build_store(root, ckpt, [_spec("tiny-qwen2", root)])
-    with running_server(store, root / "run", ["tiny-qwen2"], env=_env(root)) as server:
-        try:
-            assert _generate(server, "tiny-qwen2") == [_transformers_text(ckpt, p)
-                                                       for p in PROMPTS]
-            alone, joined = _joined_by_one_token_prompts(server, "tiny-qwen2")
-            assert joined == alone
-        except AssertionError:
-            print(logs(server.run_dir))
-            raise
-    entries = [p.name for p in (store / "tiny-qwen2" / "neuron_cache").iterdir()
-               if (p / "metadata.json").exists()]
-    assert len(entries) == 1 and entries[0].startswith("nxdi-qwen2-")

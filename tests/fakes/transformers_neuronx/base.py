@@ -53,6 +53,11 @@ class NeuronModelBase:
 
         _sanity_check(kwargs)
         config = AutoConfig.from_pretrained(pretrained_model_path)
+        # the 4.x config the real library gets holds config.json's own rope_theta; transformers
+        # 5 keeps it only inside rope_parameters, where 4.x never looks (fake only)
+        raw = json.loads((Path(pretrained_model_path) / "config.json").read_text())
+        if "rope_theta" in raw and not hasattr(config, "rope_theta"):
+            config.rope_theta = raw["rope_theta"]
         model = cls(config, *model_args, **kwargs)
         model._weights = find_weights(str(pretrained_model_path))  # module.py:L430-L431
         model._checkpoint_config = config
