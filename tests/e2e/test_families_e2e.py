@@ -8,11 +8,17 @@ archive, four requests at once (so they share the running batch): native non-str
 and NDJSON-streamed, OpenAI chat non-streamed and SSE-streamed; each greedy answer equals
 transformers' `generate` on the same ids (the chat prompt rendered by the checkpoint's own
 template, as transformers renders it).
+
+The same server holds the Mistral demo checkpoint on the neuron backend (MistralForSampling,
+from its model_type) and the Qwen2 one on nxdi (NxD Inference's Qwen2 class: q/k/v bias,
+tied embeddings), on the SDKs' fakes (tests/fakes, first on the workers' PYTHONPATH): the
+same four requests, and 1-token prompts joining a running request leave its text unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,13 +27,17 @@ import torch
 
 from archive_tools.package import package
 from tests.e2e.harness import attach_logs_fixture, make_config, post, running_server
+from tests.e2e.test_neuron_e2e import _joined_by_one_token_prompts
 
 pytestmark = pytest.mark.e2e
 DEMO = ("qwen2", "qwen3", "mistral", "mixtral")
 BUILT = ("qwen2-hf", "mixtral-hf")
+#: served name -> (demo checkpoint, backend): the torch archives' checkpoints on the fakes
+ON_NEURON = {"mistral-neuron": ("mistral", "neuron"), "qwen2-nxdi": ("qwen2", "nxdi")}
 MODELS = DEMO + BUILT
 N = 8  # new tokens per answer
 HANDLER = {"batching": "continuous", "batch_size": 4, "threads": 1}
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
 
 
 def _built_with_transformers(out: Path, name: str) -> Path:
@@ -66,19 +76,41 @@ def checkpoints(family_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> 
     root = tmp_path_factory.mktemp("family-ckpts")
     out = {name: family_checkpoint(name) for name in DEMO}
     out.update({name: _built_with_transformers(root / name, name) for name in BUILT})
+    out.update({name: out[family] for name, (family, _) in ON_NEURON.items()})
     return out
 
 
+def _neuron_config(path: Path, backend: str, root: Path) -> Path:
+    return make_config(path, {"deviceType": "neuron"}, {
+        **HANDLER, "backend": backend, "dtype": "float32",
+        "neuron": {"tp_degree": 2, "cores_per_instance": 4,
+                   "core_lock_dir": str(root / "core-locks")}})
+
+
+def _fakes_env(root: Path) -> dict[str, str]:
+    """Both SDKs' fakes importable by every worker (the torch ones import neither)."""
+    path = [str(FAKES), str(FAKES / "nxdi"), os.environ.get("PYTHONPATH")]
+    return {"PYTHONPATH": os.pathsep.join(filter(None, path)),
+            "INF2SERVE_FAKE_NEURON_EVENTS": str(root / "events.jsonl"),
+            "INF2SERVE_FAKE_NEURON_DEVICE_DIR": str(root / "device")}
+
+
 @pytest.fixture(scope="module")
-def server(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("families-e2e")
-    store = root / "model_store"
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("families-e2e") / "model_store"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints: dict[str, Path], store: Path):
+    root = store.parent
     store.mkdir()
     for name, ckpt in checkpoints.items():
-        package(make_config(root / f"{name}.yaml", handler=HANDLER), ckpt, name, "no-archive",
-                store)
-    # six workers and their engine processes start at once: more than one model's time
-    with running_server(store, root / "run", list(MODELS), ready_timeout_s=600) as srv:
+        config = (_neuron_config(root / f"{name}.yaml", ON_NEURON[name][1], root)
+                  if name in ON_NEURON else make_config(root / f"{name}.yaml", handler=HANDLER))
+        package(config, ckpt, name, "no-archive", store)
+    # eight workers and their engine processes start at once: more than one model's time
+    with running_server(store, root / "run", [*MODELS, *ON_NEURON], env=_fakes_env(root),
+                        ready_timeout_s=600) as srv:
         yield srv
 
 
@@ -117,7 +149,7 @@ def _client(server, name: str):
                   api_key=server.inference_token, max_retries=0, timeout=120)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [*MODELS, *ON_NEURON])
 def test_greedy_answers_equal_generate_native_and_chat_streamed_and_not(server, checkpoints,
                                                                         name) -> None:
     from transformers import AutoTokenizer
@@ -164,3 +196,18 @@ def test_the_transformers_built_checkpoints_are_what_a_user_saves(checkpoints) -
     assert (qwen / "chat_template.jinja").is_file()
     assert json.loads((qwen / "config.json").read_text())["tie_word_embeddings"] is False
     assert json.loads((mixtral / "config.json").read_text())["num_local_experts"] == 4
+
+
+@pytest.mark.parametrize("name", ON_NEURON)
+def test_on_the_neuron_fakes_joining_prompts_leave_a_greedy_answer_unchanged(server, store,
+                                                                            name) -> None:
+    """Continuous batching on the SDK's class for the family: 1-token prompts joining a
+    running request (prefilled beside its decode) leave its text as it was alone; the
+    compile cache's entry names the family."""
+    alone, joined = _joined_by_one_token_prompts(server, name)
+    assert joined == alone and alone.strip()
+    family, backend = ON_NEURON[name]
+    prefix = f"{family}-" if backend == "neuron" else f"nxdi-{family}-"
+    entries = [p.name for p in (store / name / "neuron_cache").iterdir()
+               if (p / "metadata.json").exists()]
+    assert len(entries) == 1 and entries[0].startswith(prefix), entries
