@@ -500,7 +500,7 @@ def _host_sampling_table(dev: DeviceBound) -> list[str]:
             f"float32 logits [rows, {HOST_SAMPLING_VOCAB:,}] (Llama-3's vocabulary) that the "
             "host samples after the step, before the next one can start, with the batched "
             "sampler the Neuron backends use (`handler.synthetic.host_sampling_vocab`; "
-            f"handlers/backends/sampling.py). {HOST_SAMPLING_STREAMS} streams, "
+            f"handlers/backends/sampling/batched.py). {HOST_SAMPLING_STREAMS} streams, "
             f"{HOST_SAMPLING_STEP_MS:g} ms steps; greedy requests, and sampled ones "
             f"(temperature {sampled.temperature:g}, top_p {sampled.top_p:g}, no seed). Median "
             f"of {dev.rounds} rounds, the two alternating (per-round values in bench.json "

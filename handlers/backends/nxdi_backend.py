@@ -516,7 +516,7 @@ class NxdiBackend(Backend):
                 return [[int(t)] for t in out.hidden_states.reshape(-1)]
             from handlers.backends.sampling import sample_rows
 
-            # [n, 1, vocab] -> [n, vocab]: every row in one batched pass (sampling.py)
+            # [n, 1, vocab] -> [n, vocab]: every row in one batched pass (sampling/batched.py)
             if not constrained:
                 return [[t] for t in sample_rows(out.logits[:, -1], samplers)]
             tokens = sample_rows(out.logits[:, -1], samplers, masks=self.grammars.masks())

@@ -19,7 +19,7 @@ Never a hardware result.
   slot raises, and a decode must name exactly the running slots.
 - With `handler.synthetic.host_sampling_vocab` (`HostSampling`), every call also
   "returns" logits [rows, vocab] and the host picks each row's token from them with the
-  batched sampler the Neuron backends use (handlers/backends/sampling.py), after the deadline:
+  batched sampler the Neuron backends use (handlers/backends/sampling/), after the deadline:
   on Neuron the host samples once the device has returned its logits, before the next
   device call can start, so that time lengthens the step. The synthetic token's logit
   is raised far above the rest first, so greedy and sampled rows both pick it and the

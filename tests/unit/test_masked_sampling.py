@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from handlers.backends import masked_sampling, sampling
+from handlers.backends import masked_sampling
 from handlers.backends.base import SamplingParams
 from handlers.backends.sampling import RowSampler, sample_rows
+from handlers.backends.sampling import batched as sampling  # the batched path's internals
 from handlers.structured.masks import StepMasks, words
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Host sampling (handlers/backends/sampling.py): penalties and logprobs by vLLM's formulas, and
+"""Host sampling (handlers/backends/sampling/): penalties and logprobs by vLLM's formulas, and
 nothing changes for a request that asks for neither; the batched path (`sample_rows`)
 gives greedy rows the per-row argmax, seeded rows their own sampler's tokens, and
 unseeded rows the per-row warpers' distribution."""
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from handlers.backends import sampling
 from handlers.backends.base import SamplingParams
 from handlers.backends.sampling import RowSampler, prompt_logprobs, sample_rows, token_logprob
+from handlers.backends.sampling import batched as sampling  # the batched path's internals
 
 CPU = torch.device("cpu")
 
