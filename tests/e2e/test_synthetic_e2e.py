@@ -15,8 +15,11 @@ from tests.unit.fakes import one_each
 
 pytestmark = pytest.mark.e2e
 
+# 20 ms steps: a stream of NEW_TOKENS lasts 0.8 s, so it reaches the client in several chunks
+# unless the worker's event loop stalls that long (with 2 ms steps, 80 ms of stall on 2 busy
+# cores sent a whole answer as one chunk)
 HANDLER = {"backend": "synthetic", "batch_size": 64, "threads": 1, "warmup": False,
-           "synthetic": {"decode_step_ms": 2, "prefill_ms": [3]}}
+           "synthetic": {"decode_step_ms": 20, "prefill_ms": [3]}}
 SPECULATIVE = {**HANDLER, "synthetic": {**HANDLER["synthetic"], "speculation_length": 4,
                                          "draft_step_ms": 0.5}}
 PROMPTS = [f"Stream {i} begins with" for i in range(8)]
