@@ -29,8 +29,9 @@ TF4_OVERLAYS := $(subst $(space),:,$(foreach v,$(TF4_ALL),$(call overlay,$(v))))
 # under each TF4_STACK overlay (tests comparing with the torch backend, which needs
 # transformers 5, skip themselves there). What is slow and reads transformers only through
 # the tokenizer runs under one overlay each, the SDK's own: transformers-neuronx's
-# speculation under 4.48, NxD Inference's and the end-to-end files under 4.57
-# (tests/e2e/test_neuron_transformers4_e2e.py serves a neuron archive under every 4.x).
+# speculation under 4.48, NxD Inference's and two end-to-end files under 4.57. A neuron
+# archive is served under every 4.x by tests/e2e/test_neuron_transformers4_e2e.py (in
+# test-main), so test_neuron_e2e's scenarios (cache restarts, cores, int8) run under 5 only.
 NEURON_STACK_TESTS := $(filter-out tests/unit/test_neuron_speculation.py \
 	tests/unit/test_nxdi_speculation.py,$(wildcard tests/unit/test_neuron_*.py \
 	tests/unit/test_nxdi_*.py)) tests/unit/test_cache_*.py \
@@ -43,7 +44,7 @@ NEURON_STACK_TESTS := $(filter-out tests/unit/test_neuron_speculation.py \
 	tests/unit/test_structured.py
 stack_only_4.48.3 := tests/unit/test_neuron_speculation.py
 stack_only_4.57.6 := tests/unit/test_nxdi_speculation.py tests/e2e/test_synthetic_e2e.py \
-	tests/e2e/test_neuron_e2e.py tests/e2e/test_worker_death_e2e.py
+	tests/e2e/test_worker_death_e2e.py
 
 # Most of the suite waits on TorchServe (JVM start, model load, streams), so test files run
 # in parallel processes; a file's tests stay together to share its server (--dist loadfile).
