@@ -1,5 +1,6 @@
-"""The OpenAI API on a real TorchServe: the official client, curl -N, errors in a batch, and
-the bodies of OpenAI-ecosystem clients (GuideLLM, lm-evaluation-harness, LangChain, LiteLLM).
+"""The OpenAI API on a real TorchServe: the official client, curl -N, errors in a batch, the
+bodies of OpenAI-ecosystem clients (GuideLLM, lm-evaluation-harness, LangChain, LiteLLM), and
+the structured-outputs corpus (tests/data/structured) answered by the random demo model.
 
 One TorchServe for the module, serving the tiny demo model. TorchServe's frontend
 batch must be 1 under asyncCommunication (see handlers/config.py), so the handler
@@ -375,3 +376,58 @@ def test_errors_reach_openai_clients_in_their_shape(server, base_url, client) ->
     huge = httpx.post(f"{base_url}/completions", content=b"x" * 6_600_000, timeout=60,
                       headers={"Authorization": f"Bearer {server.inference_token}"})
     assert huge.status_code == 413 and huge.content == b""
+
+
+# --- structured outputs: the corpus through the random demo model ---
+
+#: sampled and short: the random model rarely closes a free string within 48 tokens, so most
+#: answers are cut ("length"); those must still be a prefix the grammar allows
+STRUCTURED = {"temperature": 1.0, "seed": 3, "max_tokens": 48}
+
+
+def _structured(client, i: int, schema: dict) -> tuple[str, str]:
+    """(finish_reason, text) of one corpus schema's strict json_schema answer; odd ones
+    streamed."""
+    response_format = {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": schema, "strict": True}}
+    ask = [{"role": "user", "content": "Answer as JSON."}]
+    if i % 2 == 0:
+        answer = client.chat.completions.create(model=MODEL, messages=ask,
+                                                response_format=response_format, **STRUCTURED)
+        return answer.choices[0].finish_reason, answer.choices[0].message.content
+    text, reasons = "", []
+    for chunk in client.chat.completions.create(model=MODEL, messages=ask, stream=True,
+                                                response_format=response_format,
+                                                **STRUCTURED):
+        text += chunk.choices[0].delta.content or ""
+        reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    (reason,) = reasons
+    return reason, text
+
+
+def test_every_corpus_schema_answers_a_valid_json_or_a_prefix_of_one(client,
+                                                                     tokenizer) -> None:
+    """Each of the corpus' 69 schemas as a strict json_schema response_format (half
+    streamed) to the random demo model: an answer that ends with "stop" parses and
+    validates; one cut by max_tokens ("length") is a prefix the schema's grammar accepts,
+    token by token (read again from its text with the grammar's own byte-level tokenizer):
+    unmasked, the random model's first token alone would break that."""
+    import jsonschema
+
+    from handlers.structured.compiler import GrammarCompiler, grammar_tokenizer
+    from tests.structured_walk import corpus, schema_spec
+
+    schemas = [e["schema"] for e in corpus()["schemas"]]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda a: _structured(client, *a), enumerate(schemas)))
+    compiler = GrammarCompiler(lambda: grammar_tokenizer(tokenizer, len(tokenizer),
+                                                         [tokenizer.eos_token_id]))
+    ll_tokenizer = compiler.tokenizer()
+    for i, (schema, (reason, text)) in enumerate(zip(schemas, answers, strict=True)):
+        assert reason in ("stop", "length"), (i, reason)
+        assert text, (i, reason)
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), schema)
+        tokens = ll_tokenizer.greedy_tokenize(text)
+        matcher = compiler.compile(schema_spec(schema)).matcher()
+        assert matcher.validate_tokens(tokens) == len(tokens), (i, reason, text)
