@@ -6,7 +6,9 @@ transformers, the serving one for the torch backend; a Neuron worker runs the SD
 fail there; `validate` also loads the files under each transformers 4.x it finds
 (INF2SERVE_TF4_OVERLAYS, os.pathsep-separated `pip install --target` directories, else
 `make overlays`' .venv/overlays/transformers-4.*), in a subprocess with that directory
-first on PYTHONPATH, as a worker on that SDK would load them.
+first on PYTHONPATH, as a worker on that SDK would load them. The subprocesses run side by
+side: each spends seconds importing its transformers, and a validate waits for the slowest
+rather than for their sum.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from handlers.errors import Inf2ServeError
@@ -60,9 +63,10 @@ def check_loads_under_4x(checkpoint: Path, flag: str = "--checkpoint") -> list[s
     if not found:
         return [f"transformers 4.x (the Neuron SDKs') not found here, so the checkpoint was "
                 f"checked by rule only; `make overlays` builds them (or set {OVERLAYS_ENV})"]
+    with ThreadPoolExecutor(max_workers=len(found)) as pool:
+        results = list(pool.map(lambda overlay: load_under(overlay, checkpoint), found))
     loaded, older, model_type = [], [], None
-    for overlay in found:
-        got = load_under(overlay, checkpoint)
+    for overlay, got in zip(found, results):
         if "error" in got:
             raise Inf2ServeError(f"{flag} {checkpoint}: does not load under {overlay.name} "
                                  f"(a Neuron SDK's transformers), as a neuron worker loads it: "
