@@ -25,26 +25,24 @@ OVERLAY_STAMPS := $(foreach v,$(TF4_ALL),$(call overlay,$(v))/.installed)
 empty :=
 space := $(empty) $(empty)
 TF4_OVERLAYS := $(subst $(space),:,$(foreach v,$(TF4_ALL),$(call overlay,$(v))))
-# What runs on an Inf2 host (the CLI there, the runtime in a neuron worker), run again
-# under each TF4_STACK overlay (tests comparing with the torch backend, which needs
-# transformers 5, skip themselves there). What is slow and reads transformers only through
-# the tokenizer runs under one overlay each, the SDK's own: transformers-neuronx's
-# speculation under 4.48, NxD Inference's and two end-to-end files under 4.57. A neuron
-# archive is served under every 4.x by tests/e2e/test_neuron_transformers4_e2e.py (in
-# test-main), so test_neuron_e2e's scenarios (cache restarts, cores, int8) run under 5 only.
+# What runs on an Inf2 host and reads transformers (the CLI there, the neuron backends and
+# fakes, the tokenizer's users), run again under each TF4_STACK overlay (tests comparing with
+# the torch backend, which needs transformers 5, skip themselves there). What is slow and
+# reads transformers only through the tokenizer runs under one overlay each, the SDK's own:
+# transformers-neuronx's speculation under 4.48, NxD Inference's under 4.57. The scheduler,
+# engine and engine-process tests are not here: their backend and tokenizer are pure Python.
+# A neuron archive is served under every 4.x by tests/e2e/test_neuron_transformers4_e2e.py (in
+# test-main), so the other end-to-end files run under 5 only.
 NEURON_STACK_TESTS := $(filter-out tests/unit/test_neuron_speculation.py \
 	tests/unit/test_nxdi_speculation.py,$(wildcard tests/unit/test_neuron_*.py \
 	tests/unit/test_nxdi_*.py)) tests/unit/test_cache_*.py \
 	tests/unit/test_cli_compile.py tests/unit/test_cli_inspect.py tests/unit/test_cli_package.py \
-	tests/unit/test_validate_cmd.py tests/unit/test_config.py tests/unit/test_scheduler.py \
-	tests/unit/test_engine.py tests/unit/test_request.py tests/unit/test_detokenize.py \
-	tests/unit/test_openai_api.py tests/unit/test_engine_client.py \
-	tests/unit/test_synthetic_backend.py tests/unit/test_worker_service.py tests/unit/test_prompt_encoder.py \
+	tests/unit/test_validate_cmd.py tests/unit/test_config.py tests/unit/test_detokenize.py \
+	tests/unit/test_openai_api.py tests/unit/test_synthetic_backend.py tests/unit/test_prompt_encoder.py \
 	tests/unit/test_families.py tests/unit/test_backend_families.py tests/unit/test_family_matrix.py \
 	tests/unit/test_structured.py
 stack_only_4.48.3 := tests/unit/test_neuron_speculation.py
-stack_only_4.57.6 := tests/unit/test_nxdi_speculation.py tests/e2e/test_synthetic_e2e.py \
-	tests/e2e/test_worker_death_e2e.py
+stack_only_4.57.6 := tests/unit/test_nxdi_speculation.py
 
 # Most of the suite waits on TorchServe (JVM start, model load, streams), so test files run
 # in parallel processes; a file's tests stay together to share its server (--dist loadfile).

@@ -5,6 +5,12 @@ processes) runs torch on one intra-op thread. The suite runs several processes p
 with torch's default of a thread per core their OpenMP threads spin against each other: at a
 load of ~20 on 2 cores one forward of the tiny Llama took 1.24 s on 2 threads and 54 ms on 1.
 Set in the environment, so children inherit it; a value already set is kept.
+
+`validate` of a Neuron backend's checkpoint loads it under each transformers 4.x overlay
+(archive_tools/transformers4.py), a subprocess importing its transformers apiece: 10 s on 2
+cores, and most of each family-matrix row. The suite checks that load where it is the
+subject (tests/unit/test_transformers4.py, through `validate_under_overlays`), and everywhere
+else `validate` checks by rule only: the variable is emptied here, for every child as well.
 """
 
 from __future__ import annotations
@@ -14,8 +20,19 @@ from pathlib import Path
 
 import pytest
 
+from tests import overlays
+
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+os.environ.setdefault(overlays.SUITE_ENV, os.environ.get(overlays.ENV, ""))
+os.environ[overlays.ENV] = ""
+
+
+@pytest.fixture
+def validate_under_overlays(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """`validate` in this test loads under the overlays the suite was given (none: [])."""
+    monkeypatch.setenv(overlays.ENV, overlays.listed())
+    return overlays.overlays()
 
 
 @pytest.fixture(scope="session")

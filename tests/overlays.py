@@ -17,11 +17,20 @@ import pytest
 
 ENV = "INF2SERVE_TF4_OVERLAYS"
 NONE_REASON = f"no transformers 4.x overlays: `make test` builds them and sets ${ENV}"
+#: $INF2SERVE_TF4_OVERLAYS as the suite was started with it, kept here by tests/conftest.py,
+#: which empties that variable so that `validate` loads under each 4.x only in the tests that
+#: ask for it (`validate_under_overlays`); in the environment, so xdist's workers inherit it
+SUITE_ENV = "INF2SERVE_TEST_TF4_OVERLAYS"
+
+
+def listed() -> str:
+    """The suite's overlays, os.pathsep-separated."""
+    return os.environ.get(SUITE_ENV, os.environ.get(ENV, ""))
 
 
 def overlays() -> list[Path]:
     """The overlay directories $INF2SERVE_TF4_OVERLAYS names (each must hold transformers)."""
-    dirs = [Path(p) for p in os.environ.get(ENV, "").split(os.pathsep) if p]
+    dirs = [Path(p) for p in listed().split(os.pathsep) if p]
     for d in dirs:
         if not (d / "transformers").is_dir():
             raise RuntimeError(f"${ENV}: {d} holds no transformers package; run `make overlays`")

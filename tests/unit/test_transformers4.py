@@ -87,8 +87,8 @@ needs_overlays = pytest.mark.skipif(not overlays(), reason=f"no ${ENV} (make tes
 
 
 @needs_overlays
-def test_validate_loads_a_neuron_checkpoint_under_every_4x(ckpt: Path, tmp_path: Path,
-                                                           capsys) -> None:
+def test_validate_loads_a_neuron_checkpoint_under_every_4x(ckpt: Path, tmp_path: Path, capsys,
+                                                           validate_under_overlays) -> None:
     """What the rules only warn about, a real 4.x load refuses: transformers 4.36's
     tokenizers 0.15 cannot parse merges stored as pairs."""
     config = str(neuron_config(tmp_path))
@@ -109,7 +109,8 @@ def test_validate_loads_a_neuron_checkpoint_under_every_4x(ckpt: Path, tmp_path:
 
 
 @needs_overlays
-def test_a_family_newer_than_an_overlay_loads_under_those_that_know_it(family_checkpoint) -> None:
+def test_a_family_newer_than_an_overlay_loads_under_those_that_know_it(
+        family_checkpoint, validate_under_overlays) -> None:
     """Qwen2 arrived in transformers 4.37: 4.36 (transformers-neuronx's floor) is passed over
     with a note, the later lines load it; a model_type none of them knows is refused."""
     ckpt = family_checkpoint("qwen2")
@@ -124,7 +125,7 @@ def test_a_family_newer_than_an_overlay_loads_under_those_that_know_it(family_ch
 
 
 @needs_overlays
-def test_a_model_type_no_overlay_knows_is_refused(ckpt: Path) -> None:
+def test_a_model_type_no_overlay_knows_is_refused(ckpt: Path, validate_under_overlays) -> None:
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**config, "model_type": "llama9"}))
     with pytest.raises(Exception, match="model_type 'llama9' is unknown to transformers"):
