@@ -285,8 +285,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "structured_device.json").write_text(json.dumps(doc, indent=1) + "\n")
     text = "\n".join(["# Structured outputs on the synthetic device (make bench-device)", "",
-                      f"{started}, on a 2-core VM shared with other work (absolute figures "
-                      "are loose; each row's columns ran in the same rounds).", "",
+                      f"{started}, on a 2-core VM (the load average by round is below; "
+                      "each row's columns ran in the same rounds).", "",
                       *table(cost)])
     (args.out / "structured_device.md").write_text(text)
     print(text)
