@@ -258,6 +258,8 @@ class SyntheticBackend(Backend):
                  clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.timing: DeviceTiming = resolve_timing(config.synthetic, config.max_length)
+        #: a prefill is one context call under micro batching, one per prompt otherwise
+        self._one_call = config.batching == "micro"
         self.batch_size = config.batch_size
         self.max_length = config.max_length
         self.max_prompt_length = min(self.timing.buckets[-1], config.max_length - 1)
@@ -313,7 +315,7 @@ class SyntheticBackend(Backend):
                 row.sampler = self._host.sampler(p, prompt)
         masks = self._steered(masks, rows, tokens)
         self._rows.update(zip(slots, rows, strict=True))
-        self._wait(start, self.timing.prefill_s(max(len(p) for p in prompts)))
+        self._wait(start, self.timing.prefill_s([len(p) for p in prompts], self._one_call))
         if self._host is not None:  # after the device call, as on Neuron
             tokens = self._host.pick([row.sampler for row in rows], tokens, masks)
             self.grammars.took(slots, tokens)

@@ -11,13 +11,17 @@ Model (kept deliberately simple):
   with fewer live sequences. A preset's per-row increment is the slope between its
   published batch-1 and batch-8 figures; beyond 8 it is a linear extrapolation, not a
   measurement.
-- a prefill call costs the time of the bucket of its longest prompt (buckets as
-  transformers-neuronx's `context_length_estimate`: the smallest bucket that holds it).
+- a prompt's prefill costs the time of its bucket (buckets as transformers-neuronx's
+  `context_length_estimate`: the smallest bucket that holds it). Under continuous batching
+  the engine hands newcomers to one prefill call, but both SDKs encode one sequence's
+  context per device call there (`prefill_s`), so their times add up; a micro-batch's
+  prompts are one call, at the bucket of its longest prompt.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from handlers.errors import ConfigError
@@ -98,8 +102,17 @@ class DeviceTiming:
                              f"bucket {self.buckets[-1]}")
         return i
 
-    def prefill_s(self, longest_prompt: int) -> float:
-        return self.prefill_ms[self.bucket_index(longest_prompt)] / 1000
+    def prefill_s(self, prompt_lengths: Sequence[int], one_call: bool) -> float:
+        """Device time of one prefill of these prompts. `one_call` (micro batching): the
+        batch is one context call, at its longest prompt's bucket. Otherwise (continuous
+        batching) one call per prompt: NxD Inference asserts a single seq_id per context
+        call (neuronx-distributed-inference@cd3abf3:src/neuronx_distributed_inference/
+        modules/kvcache/kv_cache_manager.py:L488-L489) and transformers-neuronx compiles
+        context batch 1 (transformers-neuronx@1ade6d7:src/transformers_neuronx/llama/
+        model.py:L83-L84), looping over the sequences one call each (base.py:L649-L669)."""
+        if one_call:
+            return self.prefill_ms[self.bucket_index(max(prompt_lengths))] / 1000
+        return sum(self.prefill_ms[self.bucket_index(n)] for n in prompt_lengths) / 1000
 
 
 def resolve_timing(s, max_length: int) -> DeviceTiming:

@@ -225,13 +225,17 @@ def test_polling_takes_at_most_a_quarter_of_a_short_wait():
     assert asked[-1] == pytest.approx(0.002 * (1 - StepTimer.POLL_SHARE_MAX))
 
 
-def test_prefill_costs_the_bucket_of_its_longest_prompt(tiny_checkpoint, tokenizer):
+@pytest.mark.parametrize("batching,joined_s", [("continuous", 0.006), ("micro", 0.004)])
+def test_prefill_costs_each_prompts_bucket_or_a_micro_batchs_longest(tiny_checkpoint, tokenizer,
+                                                                      batching, joined_s):
+    """Continuous batching: the SDKs encode one sequence per context call, so two newcomers
+    in one prefill cost both their buckets (2 + 4 ms); a micro-batch is one call (4 ms)."""
     clock = FakeClock()
-    b = _backend(tiny_checkpoint, tokenizer, clock, synthetic={
+    b = _backend(tiny_checkpoint, tokenizer, clock, batching=batching, synthetic={
         "decode_step_ms": 5, "context_length_estimate": [16, 64, 128], "prefill_ms": [2, 4, 8]})
     b.prefill([0, 1], [[5] * 10, [6] * 17], [GREEDY, GREEDY])
     b.prefill([2], [[7] * 16], [GREEDY])
-    assert clock.slept == [pytest.approx(0.004), pytest.approx(0.002)]
+    assert clock.slept == [pytest.approx(joined_s), pytest.approx(0.002)]
     assert b.max_prompt_length == 128
     with pytest.raises(RequestError, match="expected 1 to 128"):
         b.prefill([3], [[5] * 129], [GREEDY])
