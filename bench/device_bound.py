@@ -35,7 +35,7 @@ import psutil
 
 from archive_tools.bench_stats import Scenario, ScenarioResult, host_efficiency, percentile
 from archive_tools.loadgen import GenParams, run_scenario
-from bench import metrics_cost, structured_device
+from bench import metrics_cost, prefill_device, structured_device
 from bench.warmup import Warmup, settle_jit
 from handlers.backends.synthetic_backend import StepTimer, tighten_timer_slack
 from handlers.presets.synthetic_timing import PRESETS as SYNTHETIC_PRESETS
@@ -63,7 +63,8 @@ PRESET_STREAMS = (1, 8)
 SPEC_TARGET_MS, SPEC_DRAFT_MS, SPEC_LENGTH, SPEC_ACCEPTANCE = 10.0, 1.0, 4, 0.7
 SPEC_STREAMS = (1, 8, 32)
 SPEC_BATCH = 32
-CELLS = ("all", "base", "host-sampling", "presets", "speculation", "metrics", "structured")
+CELLS = ("all", "base", "host-sampling", "presets", "speculation", "metrics", "structured",
+         "prefill")
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,8 @@ class DeviceBound:
     metrics: metrics_cost.MetricsCost | None = None
     #: the structured-output cells (bench/structured_device.py); None: not run
     structured: structured_device.StructuredCost | None = None
+    #: the prefill-between-decode cells (bench/prefill_device.py); None: not run
+    prefill: prefill_device.PrefillCost | None = None
     #: (seconds the rounds took, CPU seconds stolen by the hypervisor meanwhile)
     stolen: tuple[float, float] | None = None
 
@@ -284,6 +287,8 @@ class DeviceBound:
             out["metrics"] = self.metrics.meta()
         if self.structured is not None:
             out["structured"] = self.structured.meta()
+        if self.prefill is not None:
+            out["prefill"] = self.prefill.meta()
         if self.preset_cells:
             out["presets"] = {
                 f"{p} x {c}": {"step_ms": round(preset_step_ms(p), 2),
@@ -303,7 +308,7 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
         raise ValueError(f"cells {cells!r}; expected one of {CELLS}")
     if cells == "host-sampling":
         steps_ms, streams = (HOST_SAMPLING_STEP_MS,), (HOST_SAMPLING_STREAMS,)
-    if cells in ("presets", "speculation", "metrics", "structured"):
+    if cells in ("presets", "speculation", "metrics", "structured", "prefill"):
         steps_ms, streams = (), ()
     variants = tuple(HOST_SAMPLING_PARAMS) if cells in ("all", "host-sampling") else ()
     presets = PRESETS if cells in ("all", "presets") else ()
@@ -322,6 +327,9 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
     if cells in ("all", "structured"):  # a server of its own (two tokenizers' archives)
         out.structured = structured_device.run(checkpoint, work, prompts, rounds, threads)
         out.results.update(out.structured.results())
+    if cells in ("all", "prefill"):  # a server of its own (the preset at batch 32)
+        out.prefill = prefill_device.run(ckpt, work, rounds, threads)
+        out.results.update(out.prefill.results())
     if not specs:
         return out
     store = build_store(work / "device", ckpt, specs)
@@ -441,6 +449,8 @@ def summary_section(dev: DeviceBound) -> str:
         lines += metrics_cost.table(dev.metrics)
     if dev.structured is not None:
         lines += structured_device.table(dev.structured)
+    if dev.prefill is not None:
+        lines += prefill_device.table(dev.prefill)
     o = dev.lateness
     d, t = o["device_step"], o["time_sleep"]
     lines += [f"A {o['target_ms']:g} ms device step ends late by {d['median_us']} us "
