@@ -66,7 +66,7 @@ def check_loads_under_4x(checkpoint: Path, flag: str = "--checkpoint") -> list[s
     with ThreadPoolExecutor(max_workers=len(found)) as pool:
         results = list(pool.map(lambda overlay: load_under(overlay, checkpoint), found))
     loaded, older, model_type = [], [], None
-    for overlay, got in zip(found, results):
+    for overlay, got in zip(found, results, strict=True):
         if "error" in got:
             raise Inf2ServeError(f"{flag} {checkpoint}: does not load under {overlay.name} "
                                  f"(a Neuron SDK's transformers), as a neuron worker loads it: "
