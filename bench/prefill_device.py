@@ -1,7 +1,10 @@
 """The device bench's "prefill" cells: what newcomers' prefills cost the streams running.
 
 Closed-loop streams (each sends its next request when the last one ends) with a distinct
-prompt per request, on the synthetic device replaying the llama-2-7b-tp24 preset at batch
+prompt and a length of its own per request (64 to 188 new tokens, 126 on average: the
+synthetic model never ends early, and streams that all started together would otherwise all
+end together and arrive as one wave of newcomers, with nobody decoding to pause), on the
+synthetic device replaying the llama-2-7b-tp24 preset at batch
 32: its decode step extrapolated to batch 32 (handlers/presets/synthetic_timing.py) and its
 prefill times, the 128-token bucket's the published 27.6 ms. Under continuous batching a
 prefill is a device call of its own between two decode steps, so every newcomer's prefill is
@@ -43,6 +46,20 @@ REQUESTS_PER_STREAM = 3
 PROMPT_TOKENS = 100
 MAX_LENGTH = 1024  # the preset's buckets up to it: 128, 512, 1024
 KINDS = ("preset", "free")
+
+
+@dataclass(frozen=True)
+class VariedLength(GenParams):
+    """Request i asks for exactly 64 + (37 i mod 129) tokens: 64 to 188 over a run's 96
+    requests, 126 on average, so the streams drift apart after their first request."""
+
+    def body(self, prompt: str, index: int) -> dict:
+        n = length(index)
+        return {**super().body(prompt, index), "max_new_tokens": n, "min_new_tokens": n}
+
+
+def length(index: int) -> int:
+    return NEW_TOKENS // 2 + (37 * index) % (NEW_TOKENS + 1)
 
 
 def step_ms() -> float:
@@ -112,7 +129,7 @@ def run(checkpoint: Path, work: Path, rounds: int, threads: int = 2) -> PrefillC
                             count_tokens=tokenizer_counter(checkpoint))  # one per request
     out = PrefillCost(rounds, len(prompts))
     store = build_store(work / "prefill-cell", checkpoint, [archive(k, threads) for k in KINDS])
-    params = GenParams(max_new_tokens=NEW_TOKENS)
+    params = VariedLength()
     scenario = Scenario("concurrency", STREAMS, requests=STREAMS * REQUESTS_PER_STREAM)
     with running_server(store, work / "prefill-run", [f"prefill-{k}" for k in KINDS]) as server:
         def one(kind: str) -> ScenarioResult:
@@ -137,9 +154,10 @@ def table(cost: PrefillCost) -> list[str]:
     """The cells' lines of a report."""
     ms = 1000.0
     lines = [f"Prefill between decode steps: {STREAMS} closed-loop streams, a distinct prompt "
-             f"per request (~{PROMPT_TOKENS} tokens, the 128-token bucket), {NEW_TOKENS} new "
-             f"tokens, on the synthetic device replaying {PRESET} at batch {BATCH} (decode "
-             f"{step_ms():.1f} ms, prefill {PRESETS[PRESET].prefill_ms[0]:g} ms a newcomer) "
+             f"per request (~{PROMPT_TOKENS} tokens, the 128-token bucket), 64 to 188 new "
+             f"tokens (126 on average), on the synthetic device replaying {PRESET} "
+             f"at batch {BATCH} (decode {step_ms():.1f} ms, prefill "
+             f"{PRESETS[PRESET].prefill_ms[0]:g} ms a newcomer) "
              f"against the same device with free prefills; medians of {cost.rounds} paired "
              "rounds (order alternating). Efficiency: output tokens/s over the decode bound "
              f"({STREAMS} / {step_ms():.1f} ms).", "",
