@@ -22,6 +22,27 @@ def corpus() -> dict:
     return json.loads(CORPUS.read_text())
 
 
+def json_schema_answer(client, model: str, schema: dict, prompt: str, stream: bool,
+                       **params) -> tuple[str, str]:
+    """(finish_reason, text) of one chat answer under `schema` as a strict json_schema
+    response_format, through the `openai` client `client`: whole, or streamed as
+    `inf2serve chat` reads it (one finish_reason over the chunks)."""
+    response_format = {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": schema, "strict": True}}
+    ask = [{"role": "user", "content": prompt}]
+    if not stream:
+        answer = client.chat.completions.create(model=model, messages=ask,
+                                                response_format=response_format, **params)
+        return answer.choices[0].finish_reason, answer.choices[0].message.content
+    text, reasons = "", []
+    for chunk in client.chat.completions.create(model=model, messages=ask, stream=True,
+                                                response_format=response_format, **params):
+        text += chunk.choices[0].delta.content or ""
+        reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    (reason,) = reasons
+    return reason, text
+
+
 def token_bias(ll_tokenizer, vocab_size: int) -> np.ndarray:
     """[vocab] float32 logits of the stand-in model: punctuation-holding tokens +5, the
     rest 0 (EOS is raised where allowed by `walk`)."""

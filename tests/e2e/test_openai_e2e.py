@@ -386,23 +386,11 @@ STRUCTURED = {"temperature": 1.0, "seed": 3, "max_tokens": 48}
 
 
 def _structured(client, i: int, schema: dict) -> tuple[str, str]:
-    """(finish_reason, text) of one corpus schema's strict json_schema answer; odd ones
-    streamed."""
-    response_format = {"type": "json_schema", "json_schema": {
-        "name": "answer", "schema": schema, "strict": True}}
-    ask = [{"role": "user", "content": "Answer as JSON."}]
-    if i % 2 == 0:
-        answer = client.chat.completions.create(model=MODEL, messages=ask,
-                                                response_format=response_format, **STRUCTURED)
-        return answer.choices[0].finish_reason, answer.choices[0].message.content
-    text, reasons = "", []
-    for chunk in client.chat.completions.create(model=MODEL, messages=ask, stream=True,
-                                                response_format=response_format,
-                                                **STRUCTURED):
-        text += chunk.choices[0].delta.content or ""
-        reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
-    (reason,) = reasons
-    return reason, text
+    """(finish_reason, text) of one corpus schema's strict answer; odd ones streamed."""
+    from tests.structured_walk import json_schema_answer
+
+    return json_schema_answer(client, MODEL, schema, "Answer as JSON.", i % 2 == 1,
+                              **STRUCTURED)
 
 
 def test_every_corpus_schema_answers_a_valid_json_or_a_prefix_of_one(client,

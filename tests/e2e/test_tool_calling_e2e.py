@@ -30,7 +30,7 @@ from tests.scripted_checkpoint import (
     build_json_checkpoint,
     build_scripted_checkpoint,
 )
-from tests.structured_walk import corpus, corpus_tools
+from tests.structured_walk import corpus, corpus_tools, json_schema_answer
 
 pytestmark = pytest.mark.e2e
 TOOLS_MODEL, PLAIN_MODEL, JSON_MODEL = "scripted-tools", "scripted-plain", "scripted-json"
@@ -262,21 +262,8 @@ SAMPLED = {"temperature": 1.0, "seed": 1, "max_tokens": 200}
 def _structured(server, i: int, entry: dict) -> tuple[str, str]:
     """(finish_reason, text) of one corpus schema's chat answer; odd ones streamed, as
     `inf2serve chat` reads them."""
-    response_format = {"type": "json_schema", "json_schema": {
-        "name": "answer", "schema": entry["schema"], "strict": True}}
-    openai = client(server, JSON_MODEL)
-    ask = [{"role": "user", "content": f"Answer as JSON: {entry['id']}"}]
-    if i % 2 == 0:
-        answer = openai.chat.completions.create(model=JSON_MODEL, messages=ask,
-                                                response_format=response_format, **SAMPLED)
-        return answer.choices[0].finish_reason, answer.choices[0].message.content
-    text, reasons = "", []
-    for chunk in openai.chat.completions.create(model=JSON_MODEL, messages=ask, stream=True,
-                                                response_format=response_format, **SAMPLED):
-        text += chunk.choices[0].delta.content or ""
-        reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
-    (reason,) = reasons
-    return reason, text
+    return json_schema_answer(client(server, JSON_MODEL), JSON_MODEL, entry["schema"],
+                              f"Answer as JSON: {entry['id']}", i % 2 == 1, **SAMPLED)
 
 
 def test_every_corpus_schema_answers_json_that_validates(server) -> None:
