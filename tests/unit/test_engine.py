@@ -576,6 +576,39 @@ def test_the_output_side_takes_a_step_only_when_the_last_is_done_and_stops_after
     assert emitted == [[1], [2]]
 
 
+def test_first_tokens_handed_over_while_the_output_side_is_busy_go_right_after_its_step():
+    """`put_nowait` never waits: items given while a step's output runs are emitted right
+    after it and before the next step's, which does not wait for them; `wait_idle` does."""
+    import threading
+
+    from handlers.engine.core import OutputThread
+
+    release, emitted = threading.Event(), []
+    busy = {"first": release, "late": threading.Event()}
+
+    def emit(items):
+        if items[0] in busy:
+            busy[items[0]].wait(5)
+        emitted.append(items[0])
+
+    out = OutputThread(emit)
+    out.put(["first"])  # its emit waits for `release`
+    out.put_nowait(["prefill"])  # returns at once, queued behind "first"
+    assert emitted == []
+    release.set()
+    out.put(["second"])  # waits for "first" only
+    out.put_nowait(["late"])  # behind "second"; its emit waits for busy["late"]
+    idle = threading.Thread(target=out.wait_idle)
+    idle.start()
+    idle.join(0.2)
+    assert idle.is_alive()  # wait_idle waits for the queued first tokens too
+    busy["late"].set()
+    idle.join(5)
+    assert not idle.is_alive()
+    out.stop()
+    assert emitted == ["first", "prefill", "second", "late"]
+
+
 def test_decodes_that_finish_nobody_are_recorded_on_the_output_side_with_the_same_answers(
         monkeypatch):
     """Tokens of a steady batch's decode that can end no sequence are added to their
