@@ -68,6 +68,7 @@ class RequestRecord:
     finish_reason: str | None = None
     error_kind: str | None = None  # "503", "400", "stream_error", "timeout", ...; None = ok
     error: str | None = None  # the server's message or the exception, for the JSON report
+    stream: int | None = None  # the closed-loop stream (client) that sent it; None: open loop
 
     @property
     def ok(self) -> bool:
@@ -146,6 +147,30 @@ def host_efficiency(output_tokens_per_s: float, streams: int, step_ms: float) ->
         raise BenchError(f"host efficiency needs streams > 0 and a step > 0 ms, got {streams} "
                          f"and {step_ms}")
     return output_tokens_per_s * step_ms / 1000 / streams
+
+
+def busy_tokens_per_s(records: list[RequestRecord]) -> float:
+    """Closed-loop streams' tokens/s while each had work, summed: every stream's generated
+    tokens over the time from its first request's send to its last one's end.
+
+    A closed loop hands out a fixed number of requests; once the last is handed out, the
+    streams end one by one and the device runs ever fewer rows until the last request ends.
+    When requests take different times (speculative decoding's accepted drafts vary per
+    row), that drain is a request's length long and counts against the whole run's
+    tokens/s, though no host work is in it. A stream's own time still holds everything the
+    host costs it: the idle gap between its requests, every late step. On a device whose
+    step does not get shorter with fewer rows (the synthetic device's speculation cells),
+    the sum is what the streams would get with work never running out. 0.0 without
+    records from a closed loop."""
+    spans: dict[int, list[float]] = {}
+    tokens: dict[int, int] = {}
+    for r in records:
+        if r.stream is None or not r.ok or r.e2e_s is None:
+            continue
+        span = spans.setdefault(r.stream, [r.start_s, r.start_s + r.e2e_s])
+        span[0], span[1] = min(span[0], r.start_s), max(span[1], r.start_s + r.e2e_s)
+        tokens[r.stream] = tokens.get(r.stream, 0) + (r.completion_tokens or 0)
+    return sum(tokens[s] / (end - start) for s, (start, end) in spans.items() if end > start)
 
 
 def summarize(records: list[RequestRecord], wall_s: float,

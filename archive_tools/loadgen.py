@@ -238,7 +238,7 @@ async def _closed_loop(client: aiohttp.ClientSession, url: str, scenario: Scenar
     counter = itertools.count()
     records: list[RequestRecord] = []
 
-    async def worker() -> None:
+    async def worker(stream: int) -> None:
         while True:
             i = next(counter)  # workers share one counter: one event loop, no race
             now = time.perf_counter()
@@ -246,10 +246,11 @@ async def _closed_loop(client: aiohttp.ClientSession, url: str, scenario: Scenar
                 return
             rec = await send_request(client, url, body(i), index=i, t0=t0,
                                      scheduled_s=now - t0, timeout_s=timeout_s)
+            rec.stream = stream
             records.append(rec)
             on_record(rec)
 
-    await asyncio.gather(*(worker() for _ in range(int(scenario.level))))
+    await asyncio.gather(*(worker(w) for w in range(int(scenario.level))))
     return records
 
 

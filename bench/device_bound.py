@@ -33,8 +33,14 @@ from pathlib import Path
 
 import psutil
 
-from archive_tools.bench_stats import Scenario, ScenarioResult, host_efficiency, percentile
-from archive_tools.loadgen import GenParams, run_scenario
+from archive_tools.bench_stats import (
+    Scenario,
+    ScenarioResult,
+    busy_tokens_per_s,
+    host_efficiency,
+    percentile,
+)
+from archive_tools.loadgen import GenParams, build_prompts, run_scenario, tokenizer_counter
 from bench import metrics_cost, prefill_device, structured_device
 from bench.warmup import Warmup, settle_jit
 from handlers.backends.synthetic_backend import StepTimer, tighten_timer_slack
@@ -63,6 +69,9 @@ PRESET_STREAMS = (1, 8)
 SPEC_TARGET_MS, SPEC_DRAFT_MS, SPEC_LENGTH, SPEC_ACCEPTANCE = 10.0, 1.0, 4, 0.7
 SPEC_STREAMS = (1, 8, 32)
 SPEC_BATCH = 32
+#: the speculation cells send a prompt of their own with every request (~30 tokens), so
+#: rows' accepted drafts differ and requests do not end in lockstep (issue 40)
+SPEC_PROMPT_TOKENS = 30
 CELLS = ("all", "base", "host-sampling", "presets", "speculation", "metrics", "structured",
          "prefill")
 
@@ -233,8 +242,9 @@ class DeviceBound:
     preset_cells: dict[tuple[str, int], list[tuple[float, float, float]]] = field(
         default_factory=dict)
     #: (speculative, streams) -> per round: host efficiency, tokens/s, time per output token
-    #: (ms, per stream), gap between a stream's chunks p50 and p99 (ms), and tokens delivered
-    #: / tokens the device produced (1 without speculation: nothing is dropped)
+    #: (ms, per stream), gap between a stream's chunks p50 and p99 (ms), tokens delivered /
+    #: tokens the device produced (1 without speculation: nothing is dropped), and host
+    #: efficiency while busy (`busy_tokens_per_s`: without the closed loop's drain)
     spec_cells: dict[tuple[bool, int], list[tuple[float, ...]]] = field(default_factory=dict)
     warmup: Warmup | None = None
     #: the metrics-on-and-off cells (bench/metrics_cost.py); None: not run
@@ -314,6 +324,9 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
     presets = PRESETS if cells in ("all", "presets") else ()
     speculation = (False, True) if cells in ("all", "speculation") else ()
     out = DeviceBound(steps_ms, streams, rounds, lateness=step_lateness())
+    spec_prompts = (build_prompts(max(SPEC_STREAMS) * REQUESTS_PER_STREAM, SPEC_PROMPT_TOKENS,
+                                  seed=40, count_tokens=tokenizer_counter(checkpoint))
+                    if speculation else prompts)
     print(f"device-bound: lateness of 5 ms steps {out.lateness}", flush=True)
     ckpt = synthetic_checkpoint(checkpoint, work / "synthetic-ckpt")
     specs = [archive(s, threads) for s in steps_ms]
@@ -352,10 +365,13 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
         warm = [(urls[s], max(streams), params) for s in steps_ms]
         warm += [(hs_url, HOST_SAMPLING_STREAMS, HOST_SAMPLING_PARAMS[v]) for v in variants]
         warm += [(preset_urls[p], max(PRESET_STREAMS), params) for p in presets]
-        warm += [(spec_urls[sp], max(SPEC_STREAMS), params) for sp in speculation]
         for url, c, p in warm:  # then each cell's own path once
             run_scenario(url, server.inference_token,
                          Scenario("concurrency", c, requests=3 * c), prompts, p)
+        for sp in speculation:
+            run_scenario(spec_urls[sp], server.inference_token,
+                         Scenario("concurrency", max(SPEC_STREAMS),
+                                  requests=3 * max(SPEC_STREAMS)), spec_prompts, params)
         started, stolen = time.perf_counter(), steal_s()
         for r in range(rounds):
             for s in steps_ms:
@@ -403,10 +419,11 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
                     before = settled_counters(server.metrics_url, name) if sp else (0, 0)
                     res = run_scenario(spec_urls[sp], server.inference_token,
                                        Scenario("concurrency", c, requests=c * REQUESTS_PER_STREAM),
-                                       prompts, params, label=f"spec-{'on' if sp else 'off'}")
+                                       spec_prompts, params, label=f"spec-{'on' if sp else 'off'}")
                     tps = res.summary.output_tokens_per_s
                     call_ms, per_call = speculation_bound(sp)
-                    eff = tps / (c * per_call / (call_ms / 1000))
+                    bound = c * per_call / (call_ms / 1000)
+                    eff, busy = tps / bound, busy_tokens_per_s(res.records) / bound
                     itl = res.summary.itl
                     delivered = 1.0
                     if sp:
@@ -414,11 +431,12 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
                         produced = after[1] - before[1]
                         delivered = (after[0] - before[0]) / produced if produced else 0.0
                     cell = (eff, tps, 1000 * c / tps if tps else 0.0, (itl.p50 or 0.0) * 1000,
-                            (itl.p99 or 0.0) * 1000, delivered)
+                            (itl.p99 or 0.0) * 1000, delivered, busy)
                     out.spec_cells.setdefault((sp, c), []).append(cell)
                     more.setdefault((f"spec-{'on' if sp else 'off'}", c), []).append((eff, res))
                     print(f"  round {r + 1} speculation {'on ' if sp else 'off'} streams {c:2d}: "
-                          f"{tps:7.1f} tok/s, {cell[2]:.2f} ms/token, efficiency {eff:.3f}, "
+                          f"{tps:7.1f} tok/s, {cell[2]:.2f} ms/token, efficiency {eff:.3f} "
+                          f"(busy {busy:.3f}), "
                           f"delivered/produced {delivered:.3f}", flush=True)
         if stolen is not None:
             out.stolen = (time.perf_counter() - started, steal_s() - stolen)
@@ -551,13 +569,17 @@ def _speculation_table(dev: DeviceBound) -> list[str]:
              f"speculation_length` {SPEC_LENGTH}, {SPEC_DRAFT_MS:g} ms draft steps, acceptance "
              f"{SPEC_ACCEPTANCE:g}: a {call:g} ms call keeps {per_call:.2f} tokens a row on "
              f"average) against the same {SPEC_TARGET_MS:g} ms target step without it, batch "
-             f"{SPEC_BATCH}, same rounds. Median of {dev.rounds} rounds: tokens/s, time per "
-             "output token of a stream, the gap between a stream's chunks (p50 / p99; several "
-             "tokens of one step arrive as one chunk), host efficiency against each "
-             "device's own bound (closed-loop streams leave a slot idle between requests, "
-             "which speculation's shorter requests pay more often), and tokens delivered / "
-             "tokens the device produced (the Prometheus counters GeneratedTokens / "
-             "DeviceTokens: what a request's end dropped of a step's tokens).", "",
+             f"{SPEC_BATCH}, same rounds, a prompt of its own per request. Median of "
+             f"{dev.rounds} rounds: tokens/s, time per output token of a stream, the gap "
+             "between a stream's chunks (p50 / p99; several tokens of one step arrive as one "
+             "chunk), host efficiency against each device's own bound over the whole run and "
+             "while busy (each stream's tokens over its own time from its first request to its "
+             "last, summed: archive_tools/bench_stats.py busy_tokens_per_s; the whole run also "
+             "counts the drain after the last request is handed out, when streams end one by "
+             "one -- a request's length with speculation, whose requests take different "
+             "numbers of calls), and tokens delivered / tokens the device produced (the "
+             "Prometheus counters GeneratedTokens / DeviceTokens: what a request's end "
+             "dropped of a step's tokens).", "",
              "| speculation | " + " | ".join(f"{c} stream{'s' * (c > 1)}"
                                             for c in SPEC_STREAMS) + " |",
              "|---|" + "---|" * len(SPEC_STREAMS)]
@@ -567,10 +589,11 @@ def _speculation_table(dev: DeviceBound) -> list[str]:
         cells = []
         for c in SPEC_STREAMS:
             rounds = dev.spec_cells[sp, c]
-            eff, tps, tpot, p50, p99, kept = (statistics.median(r[i] for r in rounds)
-                                              for i in range(6))
+            eff, tps, tpot, p50, p99, kept, busy = (statistics.median(r[i] for r in rounds)
+                                                    for i in range(7))
             cells.append(f"{tps:.0f} tok/s, **{tpot:.2f} ms/token**, gap {p50:.1f} / {p99:.1f} "
-                         f"ms, efficiency {eff:.3f}, delivered/produced **{kept:.3f}**")
+                         f"ms, efficiency {eff:.3f}, while busy **{busy:.3f}**, "
+                         f"delivered/produced **{kept:.3f}**")
         lines.append(f"| {'on' if sp else 'off'} | " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -7,6 +7,7 @@ what it was sent and how many requests were in flight at once.
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import sys
@@ -161,6 +162,12 @@ def test_closed_loop_measures_stream(server):
     assert s.output_tokens == 30 and s.output_tokens_per_s > 0
     assert s.ttft.p50 < s.e2e.p50 and s.itl.count == 24
     assert srv.max_in_flight <= 3
+    by_stream: dict = {}  # each stream's requests one after another, never at once
+    for r in sorted(result.records, key=lambda r: r.start_s):
+        by_stream.setdefault(r.stream, []).append(r)
+    assert sorted(by_stream) == [0, 1, 2]
+    for mine in by_stream.values():
+        assert all(a.start_s + a.e2e_s <= b.start_s for a, b in itertools.pairwise(mine))
     path, body, auth = srv.received[0]
     assert path == "/predictions/ok" and auth == f"Bearer {TOKEN}"
     assert body["stream"] is True and body["stream_format"] == "ndjson"

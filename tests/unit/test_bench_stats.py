@@ -159,8 +159,26 @@ def test_device_bench_reports_speculation_beside_the_plain_step():
             ("median_us", "mean_us", "p99_us", "max_us"), 1.0),
         "time_sleep": dict.fromkeys(("median_us", "mean_us", "p99_us", "max_us"), 1.0)})
     for c in SPEC_STREAMS:
-        dev.spec_cells[False, c] = [(0.97, 97.0 * c, 10.3, 10.1, 12.0, 1.0)]
-        dev.spec_cells[True, c] = [(0.93, 180.0 * c, 5.5, 14.2, 16.0, 0.98)]
+        dev.spec_cells[False, c] = [(0.97, 97.0 * c, 10.3, 10.1, 12.0, 1.0, 0.975)]
+        dev.spec_cells[True, c] = [(0.88, 180.0 * c, 5.5, 14.2, 16.0, 0.98, 0.95)]
     text = summary_section(dev)
     assert "| off | 97 tok/s, **10.30 ms/token**, gap 10.1 / 12.0 ms" in text
+    assert "efficiency 0.970, while busy **0.975**" in text
     assert "| on | 180 tok/s, **5.50 ms/token**" in text and "delivered/produced **0.980**" in text
+    assert "efficiency 0.880, while busy **0.950**" in text
+
+
+def test_busy_throughput_leaves_out_the_closed_loops_drain():
+    """Two streams of two 100-token requests: stream 0 is done at 2 s, stream 1 at 4 s
+    (its second request took 3 s). The run: 400 tokens in 4 s; each stream while busy:
+    200 / 2 + 200 / 4 = 150 tokens/s. Open-loop or failed records count for nothing."""
+    from archive_tools.bench_stats import busy_tokens_per_s
+
+    def rec(stream, start, e2e, **kw):
+        return RequestRecord(index=0, scheduled_s=start, start_s=start, status=200,
+                             e2e_s=e2e, completion_tokens=100, stream=stream, **kw)
+
+    records = [rec(0, 0.0, 1.0), rec(0, 1.0, 1.0), rec(1, 0.0, 1.0), rec(1, 1.0, 3.0),
+               rec(None, 0.0, 0.5), rec(1, 4.0, 1.0, error_kind="503")]
+    assert busy_tokens_per_s(records) == pytest.approx(150.0)
+    assert busy_tokens_per_s([rec(None, 0.0, 1.0)]) == 0.0
