@@ -14,6 +14,7 @@ import torch
 from handlers.backends.base import SamplingParams
 from handlers.backends.sampling import RowSampler, prompt_logprobs, sample_rows, token_logprob
 from handlers.backends.sampling import batched as sampling  # the batched path's internals
+from handlers.backends.sampling import scan as scan_module
 
 CPU = torch.device("cpu")
 
@@ -335,3 +336,45 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="expected \\[rows, vocab\\]"):
         sample_rows(torch.zeros(3, 5), _samplers([SamplingParams()] * 2))
     assert sample_rows(torch.zeros(0, 5), []) == []
+
+
+def _transposed(logits: torch.Tensor, compiled: int, dtype: torch.dtype = torch.float32
+                ) -> torch.Tensor:
+    """`logits` [n, vocab] as transformers-neuronx hands them back for a decode of seq ids
+    0..n-1: rows of a [vocab, compiled] buffer, transposed (base.py:L715-L721, L634-L635)."""
+    n, vocab = logits.shape
+    buf = torch.full((vocab, 1, compiled), -7.0, dtype=dtype)
+    buf[:, 0, :n] = logits.t().to(dtype)
+    return buf[:vocab, -1, :].transpose(0, 1)[:n]
+
+
+@pytest.mark.parametrize("vocab", [VOCABS[0], 4096 + 5])
+def test_transposed_logits_give_the_same_tokens_as_contiguous_ones(vocab) -> None:
+    """transformers-neuronx's column-major view is read column-wise (scan.ColumnScan) and
+    picks every token a contiguous copy does: greedy (ties to the first index), seeded and
+    unseeded top-k / top-p rows with the same draws, and a step whose seeded row is taken
+    out of the batch (the rest are not copied out of the view)."""
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(8, vocab, generator=g) * 3).bfloat16().float()  # bf16 values
+    logits[0, [5, vocab - 3]] = 50.0  # a tie: the first index wins
+    logits[1, vocab - 1] = 60.0  # the best past the last full block
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.8, top_k=20),
+              SamplingParams(temperature=1.0, top_k=5, seed=7),
+              SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(),
+              SamplingParams(temperature=1.3, top_k=50, top_p=0.95), SamplingParams()]
+    view = _transposed(logits, compiled=32)
+    assert sampling.column_major(view) and torch.equal(view, logits)
+    assert isinstance(sampling._scan(view), scan_module.ColumnScan)
+    for rows in (params, [p for p in params if p.seed is None]):
+        n = len(rows)
+        for step in range(3):
+            want = sample_rows(logits[:n].contiguous(), _samplers(rows),
+                               rng=np.random.default_rng(step))
+            got = sample_rows(_transposed(logits[:n], 32), _samplers(rows),
+                              rng=np.random.default_rng(step))
+            assert got == want
+    greedy = sample_rows(view, _samplers([SamplingParams()] * 8))
+    assert greedy == logits.argmax(dim=1).tolist() and greedy[:2] == [5, vocab - 1]
+    bf16 = sample_rows(_transposed(logits, 32, torch.bfloat16), _samplers(params),
+                       rng=np.random.default_rng(0))
+    assert bf16 == sample_rows(logits, _samplers(params), rng=np.random.default_rng(0))

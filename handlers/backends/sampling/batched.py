@@ -45,6 +45,10 @@ import torch
 
 from handlers.backends import masked_sampling
 from handlers.backends.sampling.row import GREEDY, ROW, RowSampler
+from handlers.backends.sampling.scan import NumpyScan as _NumpyScan
+from handlers.backends.sampling.scan import TorchScan as _TorchScan
+from handlers.backends.sampling.scan import column_major
+from handlers.backends.sampling.scan import scan as _scan
 from handlers.structured.masks import StepMasks
 
 #: how far below a row's best token (in nats of the tempered distribution, logit /
@@ -58,11 +62,6 @@ from handlers.structured.masks import StepMasks
 CANDIDATE_NATS = 15.0
 #: rows with more candidates than this are cut one by one before the vectorized work
 NARROW = 256
-#: rows are scanned as this many blocks of columns: a block's maximum says whether any of
-#: its tokens can be a candidate, so a peaked row needs one block, not the row, re-read
-BLOCKS = 32
-#: below this many columns per block, one block per row
-MIN_BLOCK = 64
 
 
 # -- batched sampling ----------------------------------------------------------------------
@@ -111,16 +110,22 @@ def sample_rows(logits: torch.Tensor, samplers: Sequence[RowSampler],
         batched.append(i)
     if not batched:
         return tokens
-    sub = logits if len(batched) == n else logits[batched]
+    # the batched rows' own logits, and where each batched row lies in them; a transposed
+    # view (transformers-neuronx's) is scanned whole: copying rows out of it would cost a
+    # strided pass over every row
+    if len(batched) == n or column_major(logits):
+        sub, at = logits, batched
+    else:
+        sub, at = logits[batched], list(range(len(batched)))
     scan = _scan(sub)
     if greedy:
         free = [j for j in greedy if index[batched[j]] < 0]
         if free:
-            for j, token in zip(free, scan.argmax(free).tolist(), strict=True):
+            for j, token in zip(free, scan.argmax([at[j] for j in free]).tolist(), strict=True):
                 tokens[batched[j]] = token
         held = [j for j in greedy if index[batched[j]] >= 0]
         if held:
-            chosen = masked_sampling.greedy(scan, held, limits.subset(
+            chosen = masked_sampling.greedy(scan, [at[j] for j in held], limits.subset(
                 [batched[j] for j in held]))
             for j, token in zip(held, chosen.tolist(), strict=True):
                 tokens[batched[j]] = token
@@ -129,7 +134,7 @@ def sample_rows(logits: torch.Tensor, samplers: Sequence[RowSampler],
     if sampled:
         rows = [batched[j] for j in sampled]
         held = (index[rows] >= 0).any()
-        drawn = _sample(sub, scan, sampled, [samplers[i] for i in rows],
+        drawn = _sample(sub, scan, [at[j] for j in sampled], [samplers[i] for i in rows],
                         rng if rng is not None else _default_rng(),
                         limits.subset(rows) if held else None)
         for i, token in zip(rows, drawn, strict=True):
@@ -158,103 +163,6 @@ def _with_stuck_rows(logits: torch.Tensor, samplers: Sequence[RowSampler],
         tokens[i] = eos[i]
         samplers[i].generated += 1
     return tokens
-
-
-def _scan(logits: torch.Tensor) -> _NumpyScan | _TorchScan:
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16,
-                                                        torch.float16, torch.float64):
-        x = logits.detach()
-        if x.dtype != torch.float32:
-            x = x.float()  # exact: every bf16/fp16 value is a float32
-        return _NumpyScan(x.numpy())
-    return _TorchScan(logits.detach())
-
-
-class _NumpyScan:
-    """One pass over CPU float32 logits [b, vocab]: each row's block maxima (BLOCKS per
-    row, and the columns past the last full block), from which come each row's maximum,
-    its argmax and the blocks that can hold candidates."""
-
-    def __init__(self, x: np.ndarray) -> None:
-        self.x = x
-        b, vocab = x.shape
-        nb = BLOCKS if vocab >= BLOCKS * MIN_BLOCK else 1
-        self.width = vocab // nb
-        edge = nb * self.width
-        # [b, nb, width] is a view while each row's columns are contiguous
-        self.blocks = x[:, :edge].reshape(b, nb, self.width)
-        self.rest = x[:, edge:]  # [b, vocab - edge], narrower than a block
-        self.block_max = self.blocks.max(axis=2)  # [b, nb]; NaN propagates
-        self.max = self.block_max.max(axis=1)
-        if self.rest.shape[1]:
-            self.max = np.maximum(self.max, self.rest.max(axis=1))
-
-    def row(self, i: int) -> np.ndarray:
-        return self.x[i]
-
-    def argmax(self, rows: list[int]) -> np.ndarray:
-        """The first index of each row's maximum (torch.argmax's and numpy's tie rule): the
-        first block that reaches it, then the first column in that block."""
-        rows_ = np.asarray(rows)
-        m = self.max[rows_]
-        hit = self.block_max[rows_] == m[:, None]  # NaN rows: no hit
-        found = hit.any(axis=1)
-        block = hit.argmax(axis=1)
-        out = self.blocks[rows_, block].argmax(axis=1) + block * self.width
-        for j in np.flatnonzero(~found):  # NaN, or the maximum is past the last full block
-            out[j] = self.x[rows_[j]].argmax()
-        return out
-
-    def candidates(self, rows: list[int], tau: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every (row position in `rows`, column, value) with value >= tau[row position],
-        ordered by row, then column."""
-        rows_ = np.asarray(rows)
-        hit = self.block_max[rows_] >= tau[:, None]  # [m, nb]
-        r, blk = np.nonzero(hit)
-        if 2 * len(r) > hit.size:  # candidates everywhere (a flat row): compare whole rows
-            sub = self.x if len(rows_) == len(self.x) else self.x[rows_]
-            r, c = np.divmod(np.flatnonzero(sub >= tau[:, None]), self.x.shape[1])
-            return r, c, sub[r, c]
-        parts_r, parts_c = [r[:0]], [r[:0]]
-        if len(r):
-            vals = self.blocks[rows_[r], blk]  # [hits, width]: only the blocks that can hold one
-            flat = np.flatnonzero(vals >= tau[r][:, None])
-            at, col = np.divmod(flat, self.width)
-            parts_r.append(r[at])
-            parts_c.append(blk[at] * self.width + col)
-        if self.rest.shape[1]:
-            flat = np.flatnonzero(self.rest[rows_] >= tau[:, None])
-            at, col = np.divmod(flat, self.rest.shape[1])
-            parts_r.append(at)
-            parts_c.append(col + self.blocks.shape[1] * self.width)
-        r = np.concatenate(parts_r)
-        c = np.concatenate(parts_c)
-        if len(parts_r) == 3 and len(parts_r[2]):  # blocks, then the rest: merge by row
-            order = np.lexsort((c, r))
-            r, c = r[order], c[order]
-        return r, c, self.x[rows_[r], c]
-
-
-class _TorchScan:
-    """The same on logits torch keeps elsewhere (CUDA): whole-row torch ops, and only the
-    maxima and candidates come to the host."""
-
-    def __init__(self, x: torch.Tensor) -> None:
-        self.x = x
-        self.max = x.amax(dim=1).float().cpu().numpy()
-
-    def row(self, i: int) -> np.ndarray:
-        return self.x[i].float().cpu().numpy()
-
-    def argmax(self, rows: list[int]) -> np.ndarray:
-        return self.x[rows].argmax(dim=1).cpu().numpy()
-
-    def candidates(self, rows: list[int], tau: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        sub = self.x[rows].float()
-        r, c = (sub >= torch.from_numpy(tau).to(sub.device)[:, None]).nonzero(as_tuple=True)
-        return r.cpu().numpy(), c.cpu().numpy(), sub[r, c].cpu().numpy()
 
 
 def _thresholds(best: np.ndarray, temperature: np.ndarray, nats: np.ndarray) -> np.ndarray:

@@ -1,0 +1,195 @@
+"""One pass over a step's logits: each row's block maxima, maximum and argmax (`scan`).
+
+The batched sampler (batched.py) reads the whole [rows, vocab] logits once per step, and
+only that pass grows with the vocabulary, so how it reads memory sets the host's cost of a
+step. The logits do not always come row by row:
+
+- NxD Inference hands back float32 [rows, 1, vocab], contiguous: the LM head's output is
+  cast on the device (aws-neuron/neuronx-distributed-inference@cd3abf3:src/
+  neuronx_distributed_inference/models/model_base.py:L1027-L1028), gathered whole when the
+  host samples (L1030-L1039 mask the padded vocabulary to float32's minimum).
+- transformers-neuronx hands back a transposed view: the device returns [vocab_padded,
+  n_active, batch] in the model's dtype (layers/transformer.py:L282-L288; hlo.py:L307-L312:
+  the LM head's dot keeps its weight's dtype), the host concatenates the ranks' shards
+  (parallel.py:L147-L148), casts to cast_logits_dtype, float32 by default (base.py:
+  L641-L647, config.py:L222), and returns `logits[:vocab_size, -1, :].transpose(0, 1)`
+  (base.py:L715-L721): [batch, vocab] with strides (1, batch). A decode whose seq ids are
+  0..n-1 gets the first n rows of that view; any other order a contiguous copy
+  (base.py:L631-L637). (aws-neuron/transformers-neuronx@1ade6d7:src/transformers_neuronx/.)
+
+A row-major reduction over the transposed view strides through memory one float per
+cache line: numpy's max over it took 25-30 ms for 32 x 128,256 on the 2-core bench host,
+against ~1 ms row by row. `ColumnScan` reduces the same memory column-wise instead
+(torch's reduction over the outer dimension of [blocks, width, rows] is vectorized across
+the rows: 0.8-1.1 ms there on one thread, as fast as a contiguous copy's row-wise pass)
+and hands the rest of the sampler the same views, so a token does not depend on the
+layout.
+
+bf16 logits (cast_logits_dtype="bfloat16") would be exact too where the model computes in
+bf16, and half the bytes; they are not asked for: numpy has no bf16, torch's bf16
+reductions over this shape took 14-80 ms there, and the float32 cast they would need costs
+what the SDK's own cast does (~2 ms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+#: rows are scanned as this many blocks of columns: a block's maximum says whether any of
+#: its tokens can be a candidate, so a peaked row needs one block, not the row, re-read
+BLOCKS = 32
+#: below this many columns per block, one block per row
+MIN_BLOCK = 64
+
+
+def scan(logits: torch.Tensor) -> NumpyScan | TorchScan:
+    """The pass for these logits: numpy row by row, or column-wise for a transposed view
+    (`column_major`), on CPU; torch elsewhere (CUDA)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16,
+                                                        torch.float16, torch.float64):
+        x = logits.detach()
+        if x.dtype != torch.float32:
+            x = x.float()  # exact: every bf16/fp16 value is a float32; keeps the strides
+        if column_major(x):
+            return ColumnScan(x)
+        return NumpyScan(x.numpy())
+    return TorchScan(logits.detach())
+
+
+def column_major(x: torch.Tensor) -> bool:
+    """Whether [rows, vocab] `x` lies column by column (transformers-neuronx's view), so a
+    row-wise pass would stride through it."""
+    return x.dim() == 2 and x.shape[0] > 1 and x.stride(1) != 1 and x.stride(0) == 1
+
+
+class NumpyScan:
+    """One pass over CPU float32 logits [b, vocab]: each row's block maxima (BLOCKS per
+    row, and the columns past the last full block), from which come each row's maximum,
+    its argmax and the blocks that can hold candidates."""
+
+    def __init__(self, x: np.ndarray, width: int = 0, block_max: np.ndarray | None = None
+                 ) -> None:
+        self.x = x
+        b, vocab = x.shape
+        if not width:
+            width = vocab // BLOCKS if vocab >= BLOCKS * MIN_BLOCK else vocab
+        nb = vocab // width
+        self.width = width
+        edge = nb * self.width
+        # [b, nb, width]: a view (splitting an axis never copies, whatever the strides)
+        self.blocks = x[:, :edge].reshape(b, nb, self.width)
+        self.rest = x[:, edge:]  # [b, vocab - edge], narrower than a block
+        # [b, nb]; NaN propagates
+        self.block_max = self.blocks.max(axis=2) if block_max is None else block_max
+        self.max = self.block_max.max(axis=1)
+        if self.rest.shape[1]:
+            self.max = np.maximum(self.max, self.rest.max(axis=1))
+
+    def row(self, i: int) -> np.ndarray:
+        return self.x[i]
+
+    def argmax(self, rows: list[int]) -> np.ndarray:
+        """The first index of each row's maximum (torch.argmax's and numpy's tie rule): the
+        first block that reaches it, then the first column in that block."""
+        rows_ = np.asarray(rows)
+        m = self.max[rows_]
+        hit = self.block_max[rows_] == m[:, None]  # NaN rows: no hit
+        found = hit.any(axis=1)
+        block = hit.argmax(axis=1)
+        out = self.blocks[rows_, block].argmax(axis=1) + block * self.width
+        for j in np.flatnonzero(~found):  # NaN, or the maximum is past the last full block
+            out[j] = self.x[rows_[j]].argmax()
+        return out
+
+    def candidates(self, rows: list[int], tau: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every (row position in `rows`, column, value) with value >= tau[row position],
+        ordered by row, then column."""
+        rows_ = np.asarray(rows)
+        hit = self.block_max[rows_] >= tau[:, None]  # [m, nb]
+        r, blk = np.nonzero(hit)
+        if 2 * len(r) > hit.size:  # candidates everywhere (a flat row): compare whole rows
+            sub = self.x if len(rows_) == len(self.x) else self.x[rows_]
+            r, c = np.divmod(np.flatnonzero(sub >= tau[:, None]), self.x.shape[1])
+            return r, c, sub[r, c]
+        parts_r, parts_c = [r[:0]], [r[:0]]
+        if len(r):
+            vals = self.blocks[rows_[r], blk]  # [hits, width]: only the blocks that can hold one
+            flat = np.flatnonzero(vals >= tau[r][:, None])
+            at, col = np.divmod(flat, self.width)
+            parts_r.append(r[at])
+            parts_c.append(blk[at] * self.width + col)
+        if self.rest.shape[1]:
+            flat = np.flatnonzero(self.rest[rows_] >= tau[:, None])
+            at, col = np.divmod(flat, self.rest.shape[1])
+            parts_r.append(at)
+            parts_c.append(col + self.blocks.shape[1] * self.width)
+        r = np.concatenate(parts_r)
+        c = np.concatenate(parts_c)
+        if len(parts_r) == 3 and len(parts_r[2]):  # blocks, then the rest: merge by row
+            order = np.lexsort((c, r))
+            r, c = r[order], c[order]
+        return r, c, self.x[rows_[r], c]
+
+
+class ColumnScan(NumpyScan):
+    """NumpyScan over a transposed view (memory [vocab, stride], stride >= rows): the block
+    maxima come from one column-wise reduction over [blocks, width, rows]; every later
+    read (a hit block, a row) is a strided gather of the same numpy view.
+
+    Blocks are COLUMN_WIDTH tokens, not a 32nd of the vocabulary: one row's block here
+    spans `width` cache lines (each holds one float of every row), so re-reading the best
+    block of 32 rows costs 32 x 4,008 lines (8 MB, half the logits again) at 128,256 / 32,
+    and 32 x 128 (256 KB) at this width. More blocks cost the reduction nothing."""
+
+    COLUMN_WIDTH = 128
+
+    def __init__(self, x: torch.Tensor) -> None:
+        b, vocab = x.shape
+        width = min(self.COLUMN_WIDTH, vocab)
+        nb = vocab // width
+        cols = x.t()[:nb * width]  # [edge, b], rows of `stride` floats
+        with torch.inference_mode(), one_thread():
+            block_max = cols.unflatten(0, (nb, width)).amax(dim=1)  # [nb, b]
+        super().__init__(x.numpy(), width, block_max.t().numpy())
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads off for a call: on the 2-core bench host the column-wise
+    reduction took 0.8-1.1 ms on one thread and 3-12 ms on two while the other core was
+    busy (its threads wait for each other); setting the count costs ~1 us."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class TorchScan:
+    """The same on logits torch keeps elsewhere (CUDA): whole-row torch ops, and only the
+    maxima and candidates come to the host."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.max = x.amax(dim=1).float().cpu().numpy()
+
+    def row(self, i: int) -> np.ndarray:
+        return self.x[i].float().cpu().numpy()
+
+    def argmax(self, rows: list[int]) -> np.ndarray:
+        return self.x[rows].argmax(dim=1).cpu().numpy()
+
+    def candidates(self, rows: list[int], tau: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        sub = self.x[rows].float()
+        r, c = (sub >= torch.from_numpy(tau).to(sub.device)[:, None]).nonzero(as_tuple=True)
+        return r.cpu().numpy(), c.cpu().numpy(), sub[r, c].cpu().numpy()
