@@ -402,6 +402,15 @@ class _ContinuousRunner:
         return [[token] for token in self.decode(slots)]
 
     def decode(self, slots: list[int]) -> list[int]:
+        """One token per slot, in `slots`' order. The device runs them in seq-id order: a
+        full batch's seq ids are then 0..n-1, and forward() hands back a view of the
+        logits, not a copy of every row gathered through the transposed view
+        (base.py:L631-L637; handlers/backends/sampling/scan.py)."""
+        order = sorted(slots)
+        by_slot = dict(zip(order, self._decode_in_order(order), strict=True))
+        return [by_slot[s] for s in slots]
+
+    def _decode_in_order(self, slots: list[int]) -> list[int]:
         import torch
 
         from handlers.backends.sampling import sample_rows

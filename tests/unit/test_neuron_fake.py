@@ -147,6 +147,11 @@ def test_token_generation_returns_logits_in_seq_ids_order(tnx, checkpoint) -> No
     out = model.forward(_t([[12], [11]]), _t([[2], [3]]), _t([1, 0]))
     assert torch.allclose(out[0], _hf_next_logits(checkpoint, [8, 9, 12]), atol=1e-4)
     assert torch.allclose(out[1], _hf_next_logits(checkpoint, [5, 6, 7, 11]), atol=1e-4)
+    assert out.is_contiguous()  # rows copied out of the transposed view (base.py:L636-L637)
+    ordered = model.forward(_t([[11], [12]]), _t([[3], [2]]), _t([0, 1]))
+    # seq ids 0..n-1: the device's [vocab, 1, rows] cast and viewed transposed (L715-L720)
+    assert ordered.stride() == (1, 2) and ordered.dtype == torch.float32
+    assert torch.equal(ordered, out.flip(0))
 
 
 def test_positions_end_at_n_positions(tnx, checkpoint) -> None:

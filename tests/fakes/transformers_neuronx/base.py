@@ -255,7 +255,27 @@ class NeuronModelBase:
             lines.append(line)  # the seq id (continuous batching) or batch line of the row
         if self.neuron_config.on_device_generation:  # token ids, not logits (base.py:L712-L713)
             return self._device_tokens(out, lines)
-        return torch.stack(out)
+        return self._host_logits(plan, out, lines)
+
+    def _host_logits(self, plan: Plan, out: list[torch.Tensor], lines: list[int]
+                     ) -> torch.Tensor:
+        """The rows' logits laid out as the real forward() hands them back: the device's
+        [vocab, 1, lines] cast to cast_logits_dtype (base.py:L641-L647, L715) and viewed
+        transposed, [lines, vocab] with strides (1, lines) (L716-L720); a decode keeps the
+        first n rows of that view when its seq ids are 0..n-1 and copies the rows out in
+        seq-id order otherwise (L631-L637). Values stay float32's (the fake's model runs
+        in float32)."""
+        dtype = getattr(torch, self.neuron_config.cast_logits_dtype or "float32")
+        width = plan.rows if plan.kind == "token" else len(out)
+        device = torch.zeros(self.config.vocab_size, 1, width, dtype=dtype)  # [vocab, 1, lines]
+        at = lines if plan.kind == "token" else list(range(len(out)))
+        device[:, 0, at] = torch.stack(out, dim=1).to(dtype)
+        view = device[:, -1, :].transpose(0, 1)  # [lines, vocab]
+        if plan.kind != "token":
+            return view
+        if lines == list(range(len(lines))):
+            return view[:len(lines)]
+        return view[torch.tensor(lines, dtype=torch.long)]
 
     @torch.no_grad()
     def _logits(self, tokens: list[int], positions: list[int], cached: int = 0) -> torch.Tensor:
