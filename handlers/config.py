@@ -183,6 +183,11 @@ class SyntheticSettings:
         doc="0 = off; else each call returns float32 logits [rows, this vocabulary] that the "
             "host samples after the device step with the Neuron backends' batched sampler, "
             "so host efficiency pays for it (the synthetic tokens still win: same outputs)")
+    host_sampling_logits: str = _opt(
+        "nxdi", choices=("nxdi", "neuron"),
+        doc="the SDK whose host-sampling logits the device hands back: nxdi = float32 [rows, "
+            "vocab], contiguous (cast on the device); neuron = transformers-neuronx's, the "
+            "device's bf16 [vocab, 1, rows] cast to float32 on the host and viewed transposed")
 
 
 @dataclass(frozen=True)

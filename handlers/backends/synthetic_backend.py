@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.backends.base import Backend, Capabilities, Rows, SamplingParams, read_eos_ids
+from handlers.backends.synthetic_logits import HostSampling
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, RequestError
 from handlers.presets.synthetic_timing import DeviceTiming, resolve_timing
@@ -179,60 +180,6 @@ class _Row:
     sampler: Any = None  # handlers.backends.sampling.RowSampler, with host sampling
 
 
-class HostSampling:
-    """The logits a device that leaves sampling to the host returns, and the host's pick.
-
-    One float32 buffer [rows, vocab] of random logits (std 2, about a real model's
-    spread), made once and reused: the point is to pay the host's sampling cost, not to
-    generate numbers. Neuron hands back float32 logits (transformers-neuronx casts them,
-    cast_logits_dtype). A reused buffer may stay partly in the CPU's cache where a
-    device's fresh output would not, so this is a lower bound of that cost. Each pick
-    raises the synthetic tokens' logits to SPIKE for the call and restores them: SPIKE
-    stays the best logit under any penalty a request may ask (repetition <= 10,
-    frequency and presence >= -2 over <= 512 tokens) by >= 9e4, so even at temperature
-    100 every other token's probability is exactly 0 in float32.
-    """
-
-    SPIKE = 1e6
-
-    def __init__(self, rows: int, vocab: int, eos_ids: frozenset[int], seed: int = 0) -> None:
-        import torch
-
-        generator = torch.Generator().manual_seed(seed)
-        self.logits = torch.randn(rows, vocab, generator=generator) * 2  # [rows, vocab]
-        self._values = self.logits.numpy()  # the same memory
-        self._eos = eos_ids
-
-    def sampler(self, params: SamplingParams, prompt: Sequence[int]) -> Any:
-        import torch
-
-        from handlers.backends.sampling import RowSampler
-
-        return RowSampler(params, self._eos, torch.device("cpu"), prompt)
-
-    def pick(self, samplers: Sequence[Any], tokens: list[int], masks: Any = None) -> list[int]:
-        """The host's tokens for rows whose synthetic tokens are `tokens` (the same);
-        `masks`: the constrained rows' StepMasks, which allow their tokens."""
-        import numpy as np
-        import torch
-
-        from handlers.backends.sampling import sample_rows
-
-        n = len(tokens)
-        at = (np.arange(n), np.asarray(tokens))
-        held = self._values[at].copy()
-        self._values[at] = self.SPIKE
-        try:
-            with torch.inference_mode():
-                chosen = sample_rows(self.logits[:n], samplers, masks=masks)
-        finally:
-            self._values[at] = held
-        if chosen != tokens:
-            raise RuntimeError(f"host sampling chose {chosen} where the synthetic model has "
-                               f"{tokens}")
-        return chosen
-
-
 NO_LOGITS = Capabilities.lacking(
     ("repetition_penalty", "frequency_penalty", "presence_penalty", "logprobs",
      "prompt_logprobs"), "handler.backend synthetic runs no model, so it has no logits")
@@ -285,7 +232,8 @@ class SyntheticBackend(Backend):
             if self.timing.speculation_length:
                 raise ConfigError("handler.synthetic.host_sampling_vocab: host sampling with "
                                   "speculation_length is not modelled; set one of them to 0")
-            self._host = HostSampling(self.batch_size, host_vocab, self.eos_token_ids)
+            self._host = HostSampling(self.batch_size, host_vocab, self.eos_token_ids,
+                                      layout=config.synthetic.host_sampling_logits)
             from handlers.backends.synthetic_grammar import GrammarSteer, json_ids
             from handlers.structured.masks import SlotGrammars
 
@@ -317,7 +265,7 @@ class SyntheticBackend(Backend):
         self._rows.update(zip(slots, rows, strict=True))
         self._wait(start, self.timing.prefill_s([len(p) for p in prompts], self._one_call))
         if self._host is not None:  # after the device call, as on Neuron
-            tokens = self._host.pick([row.sampler for row in rows], tokens, masks)
+            tokens = self._host.pick([row.sampler for row in rows], tokens, masks, slots)
             self.grammars.took(slots, tokens)
         return tokens
 
@@ -333,7 +281,7 @@ class SyntheticBackend(Backend):
         masks = self._steered(masks, rows, tokens)
         self._wait(start, self._decode_s)
         if self._host is not None:  # after the device call, as on Neuron
-            tokens = self._host.pick([row.sampler for row in rows], tokens, masks)
+            tokens = self._host.pick([row.sampler for row in rows], tokens, masks, slots)
             self.grammars.took(slots, tokens)
         return [[token] for token in tokens]
 

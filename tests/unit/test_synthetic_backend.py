@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from handlers.backends import load_backend
+from handlers.backends import sampling as sampling_pkg
 from handlers.backends.base import SamplingParams, SlotError
 from handlers.backends.synthetic_backend import StepTimer, SyntheticBackend
 from handlers.config import parse_config
@@ -329,19 +330,21 @@ HOST_VOCAB = 4096  # above the tiny checkpoint's 1,024 ids; blocks and a remaind
 
 
 def _host(ckpt: Path, tok, clock: FakeClock | None = None, vocab: int = HOST_VOCAB,
-          **kw) -> SyntheticBackend:
+          layout: str = "nxdi", **kw) -> SyntheticBackend:
     return _backend(ckpt, tok, clock, synthetic={"decode_step_ms": 10,
-                                                 "host_sampling_vocab": vocab}, **kw)
+                                                 "host_sampling_vocab": vocab,
+                                                 "host_sampling_logits": layout}, **kw)
 
 
 @pytest.mark.parametrize("params", [
     GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=3),
     SamplingParams(temperature=100.0, top_k=2, seed=4), SamplingParams(min_new_tokens=4),
     SamplingParams(temperature=1e-4, top_p=0.5, seed=5)])
-def test_host_sampling_keeps_the_synthetic_tokens(tiny_checkpoint, tokenizer, params):
+@pytest.mark.parametrize("layout", ["nxdi", "neuron"])
+def test_host_sampling_keeps_the_synthetic_tokens(tiny_checkpoint, tokenizer, params, layout):
     prompt = [5, 6, 7]
     want = _run(_backend(tiny_checkpoint, tokenizer), 0, prompt, 12, params)
-    host = _host(tiny_checkpoint, tokenizer)
+    host = _host(tiny_checkpoint, tokenizer, layout=layout)
     before = host._host.logits.clone()
     assert _run(host, 0, prompt, 12, params) == want
     assert torch.equal(host._host.logits, before)  # every raised logit put back
@@ -361,6 +364,37 @@ def test_host_sampling_of_unseeded_rows_in_a_full_batch(tiny_checkpoint, tokeniz
     assert set(out) <= set(b.words)
 
 
+def test_neuron_host_logits_are_transformers_neuronx_s(tiny_checkpoint, tokenizer, monkeypatch):
+    """layout "neuron": the device's bf16 [vocab, 1, rows], cast to float32 and viewed
+    transposed on every step (the SDK's host work), rows in seq-id order -- a view for
+    slots 0..n-1, rows copied out otherwise; every row gets the tokens it gets without
+    host sampling, whatever order the slots are named in."""
+    host = _host(tiny_checkpoint, tokenizer, layout="neuron", batch_size=8)
+    assert host._host.logits.dtype == torch.bfloat16
+    assert host._host.logits.shape == (HOST_VOCAB, 1, 8)
+    seen = []
+    real = sampling_pkg.sample_rows
+
+    def spy(logits, samplers, *args, **kw):
+        seen.append((logits.dtype, logits.stride()))
+        return real(logits, samplers, *args, **kw)
+
+    monkeypatch.setattr(sampling_pkg, "sample_rows", spy)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=1), GREEDY,
+              SamplingParams(temperature=100.0, top_k=3, seed=2), GREEDY]
+    outs = []
+    for b in (_backend(tiny_checkpoint, tokenizer, batch_size=8), host):
+        out = [b.prefill([5, 1, 6, 3], [[i + 1] for i in range(4)], params)]
+        out += [b.decode([5, 1, 6, 3]) for _ in range(3)]
+        b.release([5, 6])
+        out += [b.prefill([0, 2], [[9], [10]], [GREEDY] * 2)]
+        out += [b.decode([3, 2, 1, 0]) for _ in range(2)]
+        outs.append(out)
+    assert outs[1] == outs[0]
+    assert seen[1] == (torch.float32, (HOST_VOCAB, 1))  # slots 1, 3, 5, 6: rows copied out
+    assert seen[-1] == (torch.float32, (1, 8))  # slots 0..3: the transposed view
+
+
 def test_host_sampling_runs_after_the_device_step(tiny_checkpoint, tokenizer, monkeypatch):
     """On Neuron the host samples the logits a call returned, before the next call can
     start: its time lengthens the step instead of hiding inside it."""
@@ -375,10 +409,10 @@ def test_host_sampling_runs_after_the_device_step(tiny_checkpoint, tokenizer, mo
         events.append("device")
         sleep(seconds)
 
-    def timed_pick(self, samplers, tokens, masks=None):
+    def timed_pick(self, samplers, tokens, masks=None, lines=None):
         events.append("host")
         clock.now += 0.003  # host sampling's time
-        return pick(self, samplers, tokens, masks)
+        return pick(self, samplers, tokens, masks, lines)
 
     b._timer._sleep = timed_sleep
     monkeypatch.setattr(synthetic_backend.HostSampling, "pick", timed_pick)
@@ -447,3 +481,24 @@ def test_speculation_settings_are_checked_and_default_the_draft_step(tiny_checkp
     with pytest.raises(ConfigError, match="host sampling with speculation_length"):
         _backend(tiny_checkpoint, tokenizer,
                  synthetic={**SPEC, "host_sampling_vocab": 200_000})
+
+
+@pytest.mark.parametrize("layout", ["nxdi", "neuron"])
+def test_host_pick_follows_masks_in_the_callers_row_order(layout):
+    """A constrained row keeps its mask when the neuron layout reorders the rows by slot:
+    a mask allowing only the synthetic token, and one that does not allow the row's best
+    other token, on rows whose slots run backwards."""
+    import numpy as np
+
+    from handlers.backends.synthetic_logits import HostSampling
+    from handlers.structured.masks import StepMasks
+
+    host = HostSampling(4, HOST_VOCAB, frozenset([2]), layout=layout)
+    tokens, lines = [100, 200, 300, 400], [3, 2, 1, 0]
+    bitmask = np.zeros((2, HOST_VOCAB // 32), dtype=np.int32)
+    for k, token in enumerate((200, 400)):
+        bitmask[k, token // 32] |= np.int32(1 << (token % 32))
+    masks = StepMasks(np.array([1, 3]), bitmask)
+    samplers = [host.sampler(p, [1]) for p in (GREEDY, GREEDY, SamplingParams(temperature=0.9),
+                                                 SamplingParams(temperature=0.9, top_k=5))]
+    assert host.pick(samplers, tokens, masks, lines) == tokens

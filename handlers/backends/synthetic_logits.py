@@ -1,0 +1,113 @@
+"""The synthetic device's logits for host sampling, shaped as an SDK returns them (`HostSampling`).
+
+With handler.synthetic.host_sampling_vocab, every synthetic call also "returns" logits and
+the host picks each row's token from them with the Neuron backends' batched sampler,
+after the device's deadline, so host efficiency pays what host sampling costs on Neuron.
+What that costs depends on how the SDK hands the logits over (dtype, layout, the SDK's own
+host work), so both SDKs' forms are modelled (handler.synthetic.host_sampling_logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from handlers.backends.base import SamplingParams
+
+
+class HostSampling:
+    """The logits a device that leaves sampling to the host returns, and the host's pick.
+
+    Laid out as the SDK (`layout`, handler.synthetic.host_sampling_logits) hands them to
+    the host (handlers/backends/sampling/scan.py has the citations):
+    - "nxdi": one float32 buffer [rows, vocab], contiguous: NxD Inference casts the LM
+      head's output on the device and returns [rows, 1, vocab];
+    - "neuron": transformers-neuronx's: the device's buffer [vocab, 1, rows] in the
+      model's dtype (bf16), which the SDK's forward() casts to float32 on the host, a new
+      16 MB at 32 x 128,256 every step, and returns as the transposed view [rows, vocab]
+      (its first n rows when the seq ids are 0..n-1, those rows copied out otherwise).
+      Rows are the slots, asked for in seq-id order as the neuron backend does.
+
+    Random logits (std 2, about a real model's spread), made once and reused: the point
+    is to pay the host's sampling cost, not to generate numbers. A reused buffer may stay
+    partly in the CPU's cache where a device's fresh output would not, so this is a lower
+    bound of that cost. Each pick raises the synthetic tokens' logits to SPIKE for the call
+    and restores them: SPIKE stays the best logit under any penalty a request may ask
+    (repetition <= 10, frequency and presence >= -2 over <= 512 tokens) by >= 9e4, so even
+    at temperature 100 every other token's probability is exactly 0 in float32.
+    """
+
+    SPIKE = 1e6
+
+    def __init__(self, rows: int, vocab: int, eos_ids: frozenset[int], seed: int = 0,
+                 layout: str = "nxdi") -> None:
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        self.layout = layout
+        if layout == "neuron":  # [vocab, 1, rows], the device's dtype
+            self.logits = (torch.randn(vocab, 1, rows, generator=generator) * 2).bfloat16()
+        else:  # [rows, vocab]
+            self.logits = torch.randn(rows, vocab, generator=generator) * 2
+        self._eos = eos_ids
+
+    def sampler(self, params: SamplingParams, prompt: Sequence[int]) -> Any:
+        import torch
+
+        from handlers.backends.sampling import RowSampler
+
+        return RowSampler(params, self._eos, torch.device("cpu"), prompt)
+
+    def pick(self, samplers: Sequence[Any], tokens: list[int], masks: Any = None,
+             lines: Sequence[int] | None = None) -> list[int]:
+        """The host's tokens for rows whose synthetic tokens are `tokens` (the same);
+        `masks`: the constrained rows' StepMasks, which allow their tokens; `lines`: each
+        row's slot (default 0..n-1)."""
+        import torch
+
+        from handlers.backends.sampling import sample_rows
+
+        n = len(tokens)
+        lines = list(range(n)) if lines is None else list(lines)
+        order = sorted(range(n), key=lines.__getitem__) if self.layout == "neuron" else None
+        at = ((torch.tensor(tokens), 0, torch.tensor(lines)) if order is not None
+              else (torch.arange(n), torch.tensor(tokens)))
+        held = self.logits[at].clone()
+        self.logits[at] = self.SPIKE
+        try:
+            with torch.inference_mode():
+                if order is None:
+                    chosen = sample_rows(self.logits[:n], samplers, masks=masks)
+                else:
+                    chosen = self._pick_neuron(samplers, masks, lines, order)
+        finally:
+            self.logits[at] = held
+        if chosen != tokens:
+            raise RuntimeError(f"host sampling chose {chosen} where the synthetic model has "
+                               f"{tokens}")
+        return chosen
+
+    def _pick_neuron(self, samplers: Sequence[Any], masks: Any, lines: list[int],
+                     order: list[int]) -> list[int]:
+        """transformers-neuronx's host side, then the sampler: cast, view, rows in seq-id
+        order; tokens come back in the rows' own order."""
+        import numpy as np
+        import torch
+
+        from handlers.backends.sampling import sample_rows
+        from handlers.structured.masks import StepMasks
+
+        seq = [lines[i] for i in order]
+        view = self.logits.to(torch.float32)[:, -1, :].transpose(0, 1)  # [rows, vocab]
+        logits = view[:len(seq)] if seq == list(range(len(seq))) else view[torch.tensor(seq)]
+        if masks is not None:  # the masks name rows in the caller's order
+            where = np.empty(len(order), dtype=np.int64)
+            where[order] = np.arange(len(order))
+            rows = where[masks.rows]
+            ascending = np.argsort(rows)
+            masks = StepMasks(rows[ascending], masks.bitmask[ascending])
+        got = sample_rows(logits, [samplers[i] for i in order], masks=masks)
+        out = [0] * len(order)
+        for i, token in zip(order, got, strict=True):
+            out[i] = token
+        return out
