@@ -90,19 +90,33 @@ class UnseededParams(GenParams):
         return {**body, "top_p": self.top_p}
 
 
-#: the host-sampling cells' requests, by variant
-HOST_SAMPLING_PARAMS: dict[str, GenParams] = {
+#: the host-sampling cells' requests
+HOST_SAMPLING_REQUESTS: dict[str, GenParams] = {
     "greedy": GenParams(max_new_tokens=NEW_TOKENS),
     "sampled": UnseededParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.95),
 }
+#: whose logits the device hands back (handler.synthetic.host_sampling_logits): NxD
+#: Inference's contiguous float32, and transformers-neuronx's bf16 cast on the host and
+#: viewed transposed (variants suffixed "-neuron")
+HOST_SAMPLING_LAYOUTS = ("nxdi", "neuron")
+#: the host-sampling cells' requests, by variant: each request against each layout
+HOST_SAMPLING_PARAMS: dict[str, GenParams] = {
+    f"{v}{'' if layout == 'nxdi' else '-' + layout}": p
+    for layout in HOST_SAMPLING_LAYOUTS for v, p in HOST_SAMPLING_REQUESTS.items()}
 
 
 def label(step_ms: float) -> str:
     return f"device-{step_ms:g}ms"
 
 
-def host_sampling_model() -> str:
-    return f"{label(HOST_SAMPLING_STEP_MS)}-hs{HOST_SAMPLING_VOCAB}"
+def host_sampling_layout(variant: str) -> str:
+    return next((x for x in HOST_SAMPLING_LAYOUTS if variant.endswith(f"-{x}")), "nxdi")
+
+
+def host_sampling_model(layout: str = "nxdi") -> str:
+    """The host-sampling archive of a layout; every one starts with the nxdi one's name."""
+    return f"{label(HOST_SAMPLING_STEP_MS)}-hs{HOST_SAMPLING_VOCAB}" + (
+        "" if layout == "nxdi" else f"-{layout}")
 
 
 def host_sampling_label(variant: str) -> str:
@@ -119,12 +133,14 @@ def synthetic_checkpoint(source: Path, dest: Path) -> Path:
     return dest
 
 
-def archive(step_ms: float, threads: int, host_sampling_vocab: int = 0) -> ArchiveSpec:
+def archive(step_ms: float, threads: int, host_sampling_vocab: int = 0,
+            layout: str = "nxdi") -> ArchiveSpec:
     synthetic = {"decode_step_ms": step_ms, "decode_ms_per_row": 0, "prefill_ms": [0]}
     name = label(step_ms)
     if host_sampling_vocab:
         synthetic["host_sampling_vocab"] = host_sampling_vocab
-        name = host_sampling_model()
+        synthetic["host_sampling_logits"] = layout
+        name = host_sampling_model(layout)
     return ArchiveSpec(name, fmt="no-archive", handler={
         "backend": "synthetic", "batching": "continuous", "batch_size": BATCH,
         "max_length": 1024, "max_new_tokens_limit": 512, "max_queue": 256, "threads": threads,
@@ -331,7 +347,8 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
     ckpt = synthetic_checkpoint(checkpoint, work / "synthetic-ckpt")
     specs = [archive(s, threads) for s in steps_ms]
     if variants:
-        specs.append(archive(HOST_SAMPLING_STEP_MS, threads, HOST_SAMPLING_VOCAB))
+        specs += [archive(HOST_SAMPLING_STEP_MS, threads, HOST_SAMPLING_VOCAB, layout)
+                  for layout in HOST_SAMPLING_LAYOUTS]
     specs += [preset_archive(p, threads) for p in presets]
     specs += [speculation_archive(sp, threads) for sp in speculation]
     if cells in ("all", "metrics"):  # two servers of their own, before this one starts
@@ -352,18 +369,19 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
     more: dict[tuple[str, int], list[tuple[float, ScenarioResult]]] = {}
     with running_server(store, work / "device-run", [s.name for s in specs]) as server:
         urls = {s: f"{server.inference_url}/predictions/{label(s)}" for s in steps_ms}
-        hs_url = f"{server.inference_url}/predictions/{host_sampling_model()}"
+        hs_urls = {v: f"{server.inference_url}/predictions/"
+                      f"{host_sampling_model(host_sampling_layout(v))}" for v in variants}
         preset_urls = {p: f"{server.inference_url}/predictions/preset-{p}" for p in presets}
         spec_urls = {sp: f"{server.inference_url}/predictions/spec-{'on' if sp else 'off'}"
                      for sp in speculation}
-        first = (urls[steps_ms[0]] if steps_ms else hs_url if variants
+        first = (urls[steps_ms[0]] if steps_ms else hs_urls[variants[0]] if variants
                  else preset_urls[presets[0]] if presets else spec_urls[False])
         out.warmup = settle_jit(first,
                                 server.inference_token, server.pid, prompts)
         print(f"device-bound: frontend JIT warm-up, {out.warmup.requests} requests, compiler "
               f"us/request by round {[round(u) for u in out.warmup.compiler_us]}", flush=True)
         warm = [(urls[s], max(streams), params) for s in steps_ms]
-        warm += [(hs_url, HOST_SAMPLING_STREAMS, HOST_SAMPLING_PARAMS[v]) for v in variants]
+        warm += [(hs_urls[v], HOST_SAMPLING_STREAMS, HOST_SAMPLING_PARAMS[v]) for v in variants]
         warm += [(preset_urls[p], max(PRESET_STREAMS), params) for p in presets]
         for url, c, p in warm:  # then each cell's own path once
             run_scenario(url, server.inference_token,
@@ -390,7 +408,7 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
             # alternate the variants' order, so a drift within a round hits both alike
             for v in variants if r % 2 == 0 else variants[::-1]:
                 c = HOST_SAMPLING_STREAMS
-                res = run_scenario(hs_url, server.inference_token,
+                res = run_scenario(hs_urls[v], server.inference_token,
                                    Scenario("concurrency", c, requests=c * REQUESTS_PER_STREAM),
                                    prompts, HOST_SAMPLING_PARAMS[v], label=host_sampling_label(v))
                 tps = res.summary.output_tokens_per_s
@@ -525,10 +543,13 @@ def _host_sampling_table(dev: DeviceBound) -> list[str]:
                      f"{'yes' if eff >= goal else 'NO'}{more})")
     sampled = HOST_SAMPLING_PARAMS["sampled"]
     return [f"Host sampling (issue 25, item 4): the same device, but every call returns "
-            f"float32 logits [rows, {HOST_SAMPLING_VOCAB:,}] (Llama-3's vocabulary) that the "
+            f"logits [rows, {HOST_SAMPLING_VOCAB:,}] (Llama-3's vocabulary) that the "
             "host samples after the step, before the next one can start, with the batched "
             "sampler the Neuron backends use (`handler.synthetic.host_sampling_vocab`; "
-            f"handlers/backends/sampling/batched.py). {HOST_SAMPLING_STREAMS} streams, "
+            "handlers/backends/sampling/), shaped as each SDK hands them over "
+            "(`host_sampling_logits`): NxD Inference's float32, contiguous, and (-neuron) "
+            "transformers-neuronx's bf16 [vocab, 1, rows] cast to float32 on the host and "
+            f"viewed transposed. {HOST_SAMPLING_STREAMS} streams, "
             f"{HOST_SAMPLING_STEP_MS:g} ms steps; greedy requests, and sampled ones "
             f"(temperature {sampled.temperature:g}, top_p {sampled.top_p:g}, no seed). Median "
             f"of {dev.rounds} rounds, the two alternating (per-round values in bench.json "
