@@ -23,10 +23,11 @@ class HostSampling:
     - "nxdi": one float32 buffer [rows, vocab], contiguous: NxD Inference casts the LM
       head's output on the device and returns [rows, 1, vocab];
     - "neuron": transformers-neuronx's: the device's buffer [vocab, 1, rows] in the
-      model's dtype (bf16), which the SDK's forward() casts to float32 on the host, a new
-      16 MB at 32 x 128,256 every step, and returns as the transposed view [rows, vocab]
-      (its first n rows when the seq ids are 0..n-1, those rows copied out otherwise).
-      Rows are the slots, asked for in seq-id order as the neuron backend does.
+      model's dtype (bf16) for every compiled row, which the SDK's forward() casts to
+      float32 on the host, a new 33 MB at 64 x 128,256 every step, and returns as the
+      transposed view [rows, vocab]
+      (its first m rows: the neuron backend names seq ids 0..m-1, m the highest running
+      slot + 1, so forward() copies no rows out of it). Rows are the slots.
 
     Random logits (std 2, about a real model's spread), made once and reused: the point
     is to pay the host's sampling cost, not to generate numbers. A reused buffer may stay
@@ -69,17 +70,17 @@ class HostSampling:
 
         n = len(tokens)
         lines = list(range(n)) if lines is None else list(lines)
-        order = sorted(range(n), key=lines.__getitem__) if self.layout == "neuron" else None
-        at = ((torch.tensor(tokens), 0, torch.tensor(lines)) if order is not None
+        neuron = self.layout == "neuron"
+        at = ((torch.tensor(tokens), 0, torch.tensor(lines)) if neuron
               else (torch.arange(n), torch.tensor(tokens)))
         held = self.logits[at].clone()
         self.logits[at] = self.SPIKE
         try:
             with torch.inference_mode():
-                if order is None:
-                    chosen = sample_rows(self.logits[:n], samplers, masks=masks)
+                if neuron:
+                    chosen = self._pick_neuron(samplers, masks, lines)
                 else:
-                    chosen = self._pick_neuron(samplers, masks, lines, order)
+                    chosen = sample_rows(self.logits[:n], samplers, masks=masks)
         finally:
             self.logits[at] = held
         if chosen != tokens:
@@ -87,27 +88,27 @@ class HostSampling:
                                f"{tokens}")
         return chosen
 
-    def _pick_neuron(self, samplers: Sequence[Any], masks: Any, lines: list[int],
-                     order: list[int]) -> list[int]:
-        """transformers-neuronx's host side, then the sampler: cast, view, rows in seq-id
-        order; tokens come back in the rows' own order."""
+    def _pick_neuron(self, samplers: Sequence[Any], masks: Any, lines: list[int]
+                     ) -> list[int]:
+        """transformers-neuronx's host side, then the sampler: the cast, and the first m
+        rows of the view (m: the highest slot + 1), as the neuron backend names seq ids
+        0..m-1 so that forward() gathers no rows; free lines are sampled greedily and
+        dropped. Tokens come back in the rows' own order."""
         import numpy as np
         import torch
 
-        from handlers.backends.sampling import sample_rows
+        from handlers.backends.sampling import RowSampler, sample_rows
         from handlers.structured.masks import StepMasks
 
-        seq = [lines[i] for i in order]
+        m = max(lines) + 1
         view = self.logits.to(torch.float32)[:, -1, :].transpose(0, 1)  # [rows, vocab]
-        logits = view[:len(seq)] if seq == list(range(len(seq))) else view[torch.tensor(seq)]
+        idle = RowSampler(SamplingParams(), frozenset(), torch.device("cpu"))
+        at_line = [idle] * m
+        for i, line in enumerate(lines):
+            at_line[line] = samplers[i]
         if masks is not None:  # the masks name rows in the caller's order
-            where = np.empty(len(order), dtype=np.int64)
-            where[order] = np.arange(len(order))
-            rows = where[masks.rows]
+            rows = np.asarray(lines, dtype=np.int64)[masks.rows]
             ascending = np.argsort(rows)
             masks = StepMasks(rows[ascending], masks.bitmask[ascending])
-        got = sample_rows(logits, [samplers[i] for i in order], masks=masks)
-        out = [0] * len(order)
-        for i, token in zip(order, got, strict=True):
-            out[i] = token
-        return out
+        got = sample_rows(view[:m], at_line, masks=masks)
+        return [got[line] for line in lines]

@@ -144,6 +144,36 @@ def test_one_token_joiners_leave_a_running_request_alone(checkpoint, tmp_path, f
     b.close()
 
 
+def test_decode_names_seq_ids_from_zero_so_logits_come_back_as_a_view(checkpoint, tmp_path,
+                                                                        fake_sdk) -> None:
+    """Slots 2 and 1 running, 0 free: the decode names seq ids 0..2, the free line as the
+    SDK pads it (token 0 at cache id 0, base.py:L575-L585), and gets the transposed view
+    back (L634-L635), not rows gathered through it; each running slot's tokens are its
+    own, in the order asked, and the free line's pick is dropped."""
+    b = _backend(checkpoint, tmp_path, batch_size=3)
+    calls = []
+    forward = b._runner.model.forward
+
+    def spy(ids, cache_ids, seq_ids):
+        out = forward(ids, cache_ids, seq_ids)
+        calls.append((seq_ids.tolist(), ids[:, 0].tolist(), cache_ids[:, 0].tolist(),
+                      out.stride()))
+        return out
+
+    b._runner.model.forward = spy
+    first = b.prefill([2], [PROMPTS[0]], [SamplingParams()])
+    second = b.prefill([1], [[67]], [SamplingParams()])
+    for _ in range(3):
+        x, y = one_each(b.decode([2, 1]))
+        first.append(x)
+        second.append(y)
+    seq_ids, ids, cache_ids, stride = calls[2]
+    assert seq_ids == [0, 1, 2] and ids[0] == 0 and cache_ids[0] == 0 and stride == (1, 3)
+    assert first == _reference(checkpoint, PROMPTS[0], 4)
+    assert second == _reference(checkpoint, [67], 4)
+    b.close()
+
+
 def test_every_model_call_runs_under_inference_mode(checkpoint, tmp_path, fake_sdk) -> None:
     """Regression (issue 11 item 3): forward()/sample() ran with autograd on."""
     b = _backend(checkpoint, tmp_path)
