@@ -96,8 +96,8 @@ HOST_SAMPLING_REQUESTS: dict[str, GenParams] = {
     "sampled": UnseededParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_p=0.95),
 }
 #: whose logits the device hands back (handler.synthetic.host_sampling_logits): NxD
-#: Inference's contiguous float32, and transformers-neuronx's bf16 cast on the host and
-#: viewed transposed (variants suffixed "-neuron")
+#: Inference's contiguous float32, and transformers-neuronx's bf16 viewed transposed
+#: (variants suffixed "-neuron")
 HOST_SAMPLING_LAYOUTS = ("nxdi", "neuron")
 #: the host-sampling cells' requests, by variant: each request against each layout
 HOST_SAMPLING_PARAMS: dict[str, GenParams] = {
@@ -548,8 +548,8 @@ def _host_sampling_table(dev: DeviceBound) -> list[str]:
             "sampler the Neuron backends use (`handler.synthetic.host_sampling_vocab`; "
             "handlers/backends/sampling/), shaped as each SDK hands them over "
             "(`host_sampling_logits`): NxD Inference's float32, contiguous, and (-neuron) "
-            "transformers-neuronx's bf16 [vocab, 1, rows] cast to float32 on the host and "
-            f"viewed transposed. {HOST_SAMPLING_STREAMS} streams, "
+            "transformers-neuronx's bf16 [vocab, 1, rows] viewed transposed (cast_logits_dtype "
+            f"bf16). {HOST_SAMPLING_STREAMS} streams, "
             f"{HOST_SAMPLING_STEP_MS:g} ms steps; greedy requests, and sampled ones "
             f"(temperature {sampled.temperature:g}, top_p {sampled.top_p:g}, no seed). Median "
             f"of {dev.rounds} rounds, the two alternating (per-round values in bench.json "

@@ -187,7 +187,8 @@ class SyntheticSettings:
         "nxdi", choices=("nxdi", "neuron"),
         doc="the SDK whose host-sampling logits the device hands back: nxdi = float32 [rows, "
             "vocab], contiguous (cast on the device); neuron = transformers-neuronx's, the "
-            "device's bf16 [vocab, 1, rows] cast to float32 on the host and viewed transposed")
+            "device's bf16 [vocab, 1, rows], viewed transposed (kept bf16, as the neuron "
+            "backend asks: cast_logits_dtype)")
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,13 @@ from handlers.errors import ConfigError, GenerationError, RequestError
 from handlers.families import family_name
 from handlers.structured.masks import SlotGrammars
 from neuron_cache.compile import compile_or_load
-from neuron_cache.key import context_buckets, key_inputs, neuron_config_spec, read_model_config
+from neuron_cache.key import (
+    AMP_DTYPES,
+    context_buckets,
+    key_inputs,
+    neuron_config_spec,
+    read_model_config,
+)
 from neuron_cache.store import CacheStore
 
 log = logging.getLogger(__name__)
@@ -152,9 +158,29 @@ def _quant_configs(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def host_logits_dtype(config: HandlerConfig) -> str | None:
+    """cast_logits_dtype where our sampler reads the logits (continuous batching, host
+    sampling, no speculation) and the model runs in bf16 or fp16: that dtype, else None (the
+    SDK's float32).
+
+    The device's logits are already in the model's dtype (the LM head's dot keeps its
+    weight's, layers/transformer.py:L282-L288, hlo.py:L307-L312), and forward() casts them
+    on the host (base.py:L641-L647, L715): to float32 that is the same numbers, so every
+    request samples exactly as before, at 4 bytes x vocab x every compiled row written each
+    step (33 MB at 64 x 128,256); left in bf16 the cast is a no-op and the sampler converts
+    only the rows it reads (sampling/scan.py). Host-only: no graph changes, so not keyed.
+    micro keeps float32: sample() draws on the logits in their own dtype."""
+    n = config.neuron
+    if (config.batching != "continuous" or n.on_device_sampling or n.speculation.enabled
+            or config.amp not in ("bf16", "f16")):
+        return None
+    return AMP_DTYPES[config.amp]
+
+
 def build_neuron_config(spec: dict[str, Any], batch_size: int,
                         compilation_worker_count: int = 0,
-                        on_device_embedding: bool = False) -> Any:
+                        on_device_embedding: bool = False,
+                        cast_logits_dtype: str | None = None) -> Any:
     """Our plain-data spec (neuron_cache.key.neuron_config_spec) as SDK objects.
 
     compilation_worker_count is not in the spec (it changes no graph): 0 leaves the
@@ -177,6 +203,8 @@ def build_neuron_config(spec: dict[str, Any], batch_size: int,
             batch_size_for_shared_caches=spec["continuous_batching"])
     if spec.get("group_query_attention"):
         kwargs["group_query_attention"] = GQA(spec["group_query_attention"])
+    if cast_logits_dtype:  # host-only (base.py:L641-L647), see host_logits_dtype
+        kwargs["cast_logits_dtype"] = cast_logits_dtype
     if compilation_worker_count:
         if "compilation_worker_count" not in inspect.signature(NeuronConfig).parameters:
             raise ConfigError("handler.neuron.compilation_worker_count: this transformers-"
@@ -221,7 +249,8 @@ class NeuronBackend(Backend):
                         "context_length_estimate": context_buckets(config),
                         "neuron_config": build_neuron_config(
                             inputs.neuron_config, config.batch_size,
-                            n.compilation_worker_count, on_device_embedding=sp.enabled)}
+                            n.compilation_worker_count, on_device_embedding=sp.enabled,
+                            cast_logits_dtype=host_logits_dtype(config))}
 
             # from_pretrained hands these to the class (module.py:L424-L426)
             check_keywords(model_cls, list(model_kwargs()), f"model class {class_name}")

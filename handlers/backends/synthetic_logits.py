@@ -23,9 +23,9 @@ class HostSampling:
     - "nxdi": one float32 buffer [rows, vocab], contiguous: NxD Inference casts the LM
       head's output on the device and returns [rows, 1, vocab];
     - "neuron": transformers-neuronx's: the device's buffer [vocab, 1, rows] in the
-      model's dtype (bf16) for every compiled row, which the SDK's forward() casts to
-      float32 on the host, a new 33 MB at 64 x 128,256 every step, and returns as the
-      transposed view [rows, vocab]
+      model's dtype (bf16) for every compiled row, which the SDK's forward() leaves in
+      bf16 (the neuron backend asks for cast_logits_dtype bf16; float32 would write 33 MB
+      at 64 x 128,256 every step) and returns as the transposed view [rows, vocab]
       (its first m rows: the neuron backend names seq ids 0..m-1, m the highest running
       slot + 1, so forward() copies no rows out of it). Rows are the slots.
 
@@ -90,7 +90,7 @@ class HostSampling:
 
     def _pick_neuron(self, samplers: Sequence[Any], masks: Any, lines: list[int]
                      ) -> list[int]:
-        """transformers-neuronx's host side, then the sampler: the cast, and the first m
+        """transformers-neuronx's host side, then the sampler: the (no-op) cast, the first m
         rows of the view (m: the highest slot + 1), as the neuron backend names seq ids
         0..m-1 so that forward() gathers no rows; free lines are sampled greedily and
         dropped. Tokens come back in the rows' own order."""
@@ -101,7 +101,8 @@ class HostSampling:
         from handlers.structured.masks import StepMasks
 
         m = max(lines) + 1
-        view = self.logits.to(torch.float32)[:, -1, :].transpose(0, 1)  # [rows, vocab]
+        # cast_logits_dtype bf16 (neuron_backend.host_logits_dtype): the cast is a no-op
+        view = self.logits.to(torch.bfloat16)[:, -1, :].transpose(0, 1)  # [rows, vocab]
         idle = RowSampler(SamplingParams(), frozenset(), torch.device("cpu"))
         at_line = [idle] * m
         for i, line in enumerate(lines):

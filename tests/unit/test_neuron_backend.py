@@ -174,6 +174,25 @@ def test_decode_names_seq_ids_from_zero_so_logits_come_back_as_a_view(checkpoint
     b.close()
 
 
+@pytest.mark.parametrize(("dtype", "batching", "neuron", "want"), [
+    ("bfloat16", "continuous", {}, "bfloat16"), ("float16", "continuous", {}, "float16"),
+    ("float32", "continuous", {}, None), ("bfloat16", "micro", {}, None),
+    ("bfloat16", "continuous", {"on_device_sampling": True}, None)])
+def test_host_sampled_logits_stay_in_the_models_dtype(tmp_path, fake_sdk, dtype, batching,
+                                                      neuron, want) -> None:
+    """cast_logits_dtype is the model's bf16/fp16 where our sampler reads the logits (the
+    device's are in that dtype already, so no value changes); float32 elsewhere: micro's
+    sample() draws on them in their own dtype. The SDK's NeuronConfig takes it."""
+    from handlers.backends.neuron_backend import build_neuron_config, host_logits_dtype
+
+    cfg = parse_config({"handler": {"backend": "neuron", "batching": batching,
+                                    "batch_size": 2, "max_length": 128, "dtype": dtype,
+                                    "max_new_tokens_limit": 64, "neuron": neuron}}).handler
+    assert host_logits_dtype(cfg) == want
+    nc = build_neuron_config({"continuous_batching": 2}, 2, cast_logits_dtype=want)
+    assert nc.cast_logits_dtype == (want or "float32")
+
+
 def test_every_model_call_runs_under_inference_mode(checkpoint, tmp_path, fake_sdk) -> None:
     """Regression (issue 11 item 3): forward()/sample() ran with autograd on."""
     b = _backend(checkpoint, tmp_path)

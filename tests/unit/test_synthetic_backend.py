@@ -365,8 +365,8 @@ def test_host_sampling_of_unseeded_rows_in_a_full_batch(tiny_checkpoint, tokeniz
 
 
 def test_neuron_host_logits_are_transformers_neuronx_s(tiny_checkpoint, tokenizer, monkeypatch):
-    """layout "neuron": the device's bf16 [vocab, 1, rows], cast to float32 and viewed
-    transposed on every step (the SDK's host work), its first m rows for slots below m
+    """layout "neuron": the device's bf16 [vocab, 1, rows], viewed transposed (bf16, as
+    cast_logits_dtype bf16 leaves it), its first m rows for slots below m
     (free lines sampled and dropped, as the neuron backend does); every row gets the
     tokens it gets without host sampling, whatever order the slots are named in."""
     host = _host(tiny_checkpoint, tokenizer, layout="neuron", batch_size=8)
@@ -391,8 +391,8 @@ def test_neuron_host_logits_are_transformers_neuronx_s(tiny_checkpoint, tokenize
         out += [b.decode([3, 2, 1, 0]) for _ in range(2)]
         outs.append(out)
     assert outs[1] == outs[0]
-    assert seen[1] == (torch.float32, (1, 8), 7)  # slots 1, 3, 5, 6: lines 0..6
-    assert seen[-1] == (torch.float32, (1, 8), 4)  # slots 0..3
+    assert seen[1] == (torch.bfloat16, (1, 8), 7)  # slots 1, 3, 5, 6: lines 0..6
+    assert seen[-1] == (torch.bfloat16, (1, 8), 4)  # slots 0..3
 
 
 def test_host_sampling_runs_after_the_device_step(tiny_checkpoint, tokenizer, monkeypatch):

@@ -25,10 +25,11 @@ the rows: 0.8-1.1 ms there on one thread, as fast as a contiguous copy's row-wis
 and hands the rest of the sampler the same views, so a token does not depend on the
 layout.
 
-bf16 logits (cast_logits_dtype="bfloat16") would be exact too where the model computes in
-bf16, and half the bytes; they are not asked for: numpy has no bf16, torch's bf16
-reductions over this shape took 14-80 ms there, and the float32 cast they would need costs
-what the SDK's own cast does (~2 ms).
+bf16 logits: where the model runs in bf16, transformers-neuronx's device logits are bf16
+and its host cast to float32 changes no value, so the neuron backend asks for bf16
+(cast_logits_dtype, neuron_backend.host_logits_dtype): the SDK then skips its cast of
+every compiled row, and `scan` converts the rows it reads, in their memory order (numpy
+has no bf16, and torch's bf16 reductions over this shape took 14-80 ms there).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def scan(logits: torch.Tensor) -> NumpyScan | TorchScan:
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16,
                                                         torch.float16, torch.float64):
         x = logits.detach()
-        if x.dtype != torch.float32:
-            x = x.float()  # exact: every bf16/fp16 value is a float32; keeps the strides
+        if x.dtype != torch.float32:  # exact: every bf16/fp16 value is a float32
+            # a transposed view is cast in its own memory order, and only its rows
+            x = x.t().float().t() if column_major(x) else x.float()
         if column_major(x):
             return ColumnScan(x)
         return NumpyScan(x.numpy())
