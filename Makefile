@@ -65,7 +65,7 @@ PY310_TESTS := tests/unit/test_py310_runtime.py tests/unit/test_scheduler.py \
 	tests/unit/test_engine.py tests/unit/test_engine_client.py tests/unit/test_request.py \
 	tests/unit/test_capabilities.py tests/unit/test_engine_messages.py tests/unit/test_structured.py
 
-.PHONY: install install-browser install-prometheus install-test-tools overlays demo stop test test-main test-neuron-stack test-readme \
+.PHONY: install install-browser install-prometheus install-test-tools overlays demo stop test test-main test-rest test-neuron-stack test-readme \
 	test-py310 lint bench bench-device clean
 
 install: $(STAMP)
@@ -135,11 +135,17 @@ demo: install
 stop:
 	@test -x $(CLI) && $(CLI) stop --run-dir $(RUN_DIR) || echo "nothing to stop"
 
-test: test-main test-neuron-stack test-py310 test-readme
+# After the main suite, the other three run side by side: the README check mostly waits
+# (servers starting and stopping: ~150 s of CPU in ~250 s), which the neuron-stack and
+# Python 3.10 runs fill; each target's output is printed whole when it ends (-O).
+test: test-main
+	@$(MAKE) --no-print-directory -j3 -O test-rest
+
+test-rest: test-neuron-stack test-py310 test-readme
 
 # One torch thread per test process (tests/conftest.py says why; the README's commands
 # are not pytest, so the variable is set here as well).
-test test-main test-neuron-stack test-py310 test-readme: export OMP_NUM_THREADS := 1
+test test-main test-rest test-neuron-stack test-py310 test-readme: export OMP_NUM_THREADS := 1
 
 # the whole suite on the tested pins; checkpoint and archive checks also load under TF4_ALL
 # (the 25 slowest tests are listed at the end, for where CI time goes)
@@ -168,7 +174,7 @@ test-py310: $(STAMP310)
 # every command block of README.md, then of docs/*.md (GUIDES in .ci/readme_commands.py),
 # in order, in a fresh copy of the repository (this venv)
 test-readme: install install-prometheus
-	$(PY) .ci/readme_commands.py --venv $(VENV)
+	MAKEFLAGS= $(PY) .ci/readme_commands.py --venv $(VENV)
 
 lint: install
 	$(VENV)/bin/ruff check .
