@@ -1,33 +1,39 @@
 """What sampling on the host costs a Neuron model per decode step, for `validate` to print.
 
-Without on-device sampling every decode step returns float32 logits [batch, vocabulary] and
-the host reads all of them to pick each row's token. The device waits meanwhile (the next step
-needs the token), so that time comes off every step. The rates below are what the synthetic
-device measured on the bench host (bench/results/host_sampling_device.md: 32 rows of 128,256
-logits after 10 ms steps kept 0.791 of the device's tokens greedy and 0.742 sampled, against
-0.960 without logits): about 2.2 ms and 3.1 ms a step, i.e. 0.54 and 0.75 ns a logit. With a
-vocabulary past 100k that is a real share of a step at any batch worth running, which is why the
-ready configs of such models sample on the device; past 5% of a 10 ms step the line is a warning.
+Without on-device sampling every decode step returns logits and the host reads all of them to
+pick each row's token. The device waits meanwhile (the next step needs the token), so that
+time comes off every step. The rates below are what the synthetic device measured on the bench
+host with each SDK's logits as they come back (bench/results/host_sampling_device.md, 10 ms
+steps, 32 streams in a batch of 64, 128,256-token vocabulary, against 0.947 without logits):
+NxD Inference's float32 rows of the running sequences, 2.69 ms greedy and 3.63 ms sampled a
+step over 32 x 128,256 logits (0.66 and 0.88 ns a logit); transformers-neuronx's logits of every
+compiled line, in the model's bf16 as a transposed view the host converts before it picks
+(handlers/backends/sampling/scan.py), 6.93 and 8.28 ms over 64 x 128,256 (0.84 and 1.01 ns).
+Both are given for the compiled batch, the most a step hands over. With a vocabulary past 100k
+that is a real share of a step at any batch worth running, which is why the ready configs of
+such models sample on the device; past 5% of a 10 ms step the line is a warning.
 """
 
 from __future__ import annotations
 
-GREEDY_NS_PER_LOGIT = 0.54  # host seconds x 1e9 per float32 logit read, greedy
-SAMPLED_NS_PER_LOGIT = 0.75  # with temperature / top-k / top-p
+#: host seconds x 1e9 per logit read, (greedy, with temperature / top-k / top-p), by backend
+NS_PER_LOGIT = {"nxdi": (0.66, 0.88), "neuron": (0.84, 1.01)}
 REFERENCE_STEP_MS = 10.0  # the device step the share is given against
 WARN_SHARE = 0.05  # of that step, sampled: past it the line is a warning
+#: how the logits come back, by backend
+LOGITS = {"nxdi": "float32 logits", "neuron": "logits of every compiled line"}
 
 
-def host_sampling_line(batch_size: int, vocab: int) -> tuple[str, bool]:
+def host_sampling_line(batch_size: int, vocab: int, backend: str = "nxdi"
+                       ) -> tuple[str, bool]:
     """(the line to print, whether it is a warning): the logits one decode step hands the host
     and the time reading them takes, with what on-device sampling gives up."""
     logits = batch_size * vocab
-    greedy, sampled = (logits * rate / 1e6 for rate in (GREEDY_NS_PER_LOGIT,
-                                                        SAMPLED_NS_PER_LOGIT))
+    greedy, sampled = (logits * rate / 1e6 for rate in NS_PER_LOGIT[backend])
     share = sampled / (REFERENCE_STEP_MS + sampled)
     of_step = f"{share:.0%}" if share >= 0.01 else "under 1%"
     line = (f"host sampling (estimate): each decode step hands the host {batch_size} x "
-            f"{vocab:,} float32 logits ({logits * 4 / 1e6:.1f} MB): about {greedy:.2f} ms "
+            f"{vocab:,} {LOGITS[backend]}: about {greedy:.2f} ms "
             f"greedy, {sampled:.2f} ms sampled, {of_step} of a {REFERENCE_STEP_MS:.0f} ms "
             "step (bench/results/host_sampling_device.md); handler.neuron.on_device_sampling: "
             "true returns token ids instead (seed, min_new_tokens, penalties, logprobs and "

@@ -228,7 +228,7 @@ def add_host_sampling(report: Report, cfg: ModelConfig, arch: Arch) -> None:
     vocabulary, archive_tools.host_sampling_cost)."""
     if cfg.handler.neuron.on_device_sampling:
         return
-    line, warn = host_sampling_line(cfg.handler.batch_size, arch.vocab)
+    line, warn = host_sampling_line(cfg.handler.batch_size, arch.vocab, cfg.handler.backend)
     (report.warnings if warn else report.notes).append(line)
 
 
