@@ -45,11 +45,9 @@ stack_only_4.48.3 := tests/unit/test_neuron_speculation.py
 stack_only_4.57.6 := tests/unit/test_nxdi_speculation.py
 
 # Most of the suite waits on TorchServe (JVM start, model load, streams), so test files run
-# in parallel processes; a file's tests stay together to share its server, and the files of
-# one xdist group (tests/e2e/shared_server.py) share one server (--dist loadgroup: every
-# other file is its own group, tests/conftest.py).
+# in parallel processes; a file's tests stay together to share its server (--dist loadfile).
 PYTEST_WORKERS ?= 3
-PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
 # The runtime under a real CPython 3.10 (what Ubuntu 22.04 Inf2 hosts run): its modules
 # import and the engine-process failure path answers, in a venv of the runtime's

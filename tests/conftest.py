@@ -59,19 +59,6 @@ def family_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into node ids
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `--dist loadgroup` (make test), a test without an xdist group gets its file as
-    its group, so each file runs on one worker and shares its module's server as under
-    `--dist loadfile`; the few files that share one server across files
-    (tests/e2e/shared_server.py) name their group themselves."""
-    if not getattr(config.option, "loadgroup", False):
-        return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Expose each phase's report on the item, so fixtures can attach server logs on failure."""

@@ -19,19 +19,25 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.e2e.harness import attach_logs_fixture
-from tests.e2e.shared_server import MARKS
+from tests.e2e.harness import ArchiveSpec, attach_logs_fixture, build_store, running_server
 
-pytestmark = MARKS
-TINY, TIGHT = "tiny", "tiny-tight"  # one slot and one queue place: a third request gets 503
-MODELS = (TINY, TIGHT)
+pytestmark = pytest.mark.e2e
+TINY, TIGHT = "tiny", "tiny-tight"
+SPECS = [
+    ArchiveSpec(TINY, handler={"batching": "continuous", "batch_size": 4, "threads": 1}),
+    # one slot, one queue place: a third request is refused with 503
+    ArchiveSpec(TIGHT, handler={"batching": "continuous", "batch_size": 1, "max_queue": 1,
+                                "max_new_tokens_limit": 500, "threads": 1}),
+]
 SHORT = {"max_new_tokens": 4, "min_new_tokens": 4}
 
 
-@pytest.fixture
-def server(tiny_server):
-    """tests/e2e/shared_server.py's TorchServe (this file's models: MODELS)."""
-    return tiny_server
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("answers-e2e")
+    store = build_store(root, tiny_checkpoint, SPECS)
+    with running_server(store, root / "run", [s.name for s in SPECS]) as srv:
+        yield srv
 
 
 _attach_logs = attach_logs_fixture()

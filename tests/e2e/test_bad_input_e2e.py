@@ -16,21 +16,24 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.harness import attach_logs_fixture
-from tests.e2e.shared_server import MARKS
+from tests.e2e.harness import ArchiveSpec, attach_logs_fixture, build_store, running_server
 from tests.unit.test_bad_input import GOOD, NATIVE_BAD, OPENAI_BAD
 
-pytestmark = MARKS
-# the unit tests' limits (max_length 64, so "hi " * 600 does not fit): tests/e2e/shared_server.py
+pytestmark = pytest.mark.e2e
 MODEL = "tiny"
-MODELS = (MODEL,)
+# the unit tests' limits: max_length 64, so "hi " * 600 does not fit
+SPECS = [ArchiveSpec(MODEL, handler={"batching": "continuous", "batch_size": 4, "threads": 1,
+                                     "max_length": 64, "max_new_tokens_limit": 32,
+                                     "defaults": {"max_new_tokens": 8}})]
 FRONTEND_LIMIT = 6_553_500  # ConfigManager.java: max_request_size's default
 
 
-@pytest.fixture
-def server(tiny_server):
-    """tests/e2e/shared_server.py's TorchServe (this file's models: MODELS)."""
-    return tiny_server
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad-input-e2e")
+    store = build_store(root, tiny_checkpoint, SPECS)
+    with running_server(store, root / "run", [MODEL]) as srv:
+        yield srv
 
 
 _attach_logs = attach_logs_fixture()

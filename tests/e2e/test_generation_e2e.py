@@ -9,19 +9,63 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.e2e.harness import attach_logs_fixture, logged, post
-from tests.e2e.shared_server import MARKS
+from tests.e2e.harness import (
+    ArchiveSpec,
+    attach_logs_fixture,
+    build_store,
+    logged,
+    post,
+    running_server,
+)
 
-pytestmark = MARKS
-# tests/e2e/shared_server.py: micro-batches of 4 (100 ms), continuous with 8 slots, micro with
-# an injected prefill failure (FAULTY_ENTRY), one slot and one queue place
-MODELS = ("tiny-micro", "tiny-cont", "tiny-faulty", "tiny-tight")
+pytestmark = pytest.mark.e2e
+
+FAULTY_ENTRY = '''
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runtime"))
+
+from handlers.backends import load_backend  # noqa: E402
+from handlers.torchserve.generation_handler import GenerationHandler  # noqa: E402
+from handlers.engine.start import load_tokenizer  # noqa: E402
 
 
-@pytest.fixture
-def server(tiny_server):
-    """tests/e2e/shared_server.py's TorchServe (this file's models: MODELS)."""
-    return tiny_server
+class FaultyHandler(GenerationHandler):
+    """Injected by the test: prefill raises for any micro-batch holding a prompt with FAIL."""
+
+    def make_backend(self, config, model_dir):
+        backend = load_backend(config.handler, model_dir)
+        tok = load_tokenizer(model_dir / config.handler.checkpoint)
+        real = backend.prefill
+
+        def prefill(slots, prompts, params):
+            if any("FAIL" in tok.decode(p) for p in prompts):
+                raise RuntimeError("injected failure")
+            return real(slots, prompts, params)
+
+        backend.prefill = prefill
+        return backend
+'''
+
+MICRO = {"batching": "micro", "batch_size": 8, "micro_batch_size": 4, "batch_delay_ms": 100,
+         "threads": 1}
+SPECS = [
+    ArchiveSpec("tiny-micro", handler=MICRO),
+    ArchiveSpec("tiny-cont", handler={"batching": "continuous", "batch_size": 8, "threads": 1}),
+    ArchiveSpec("tiny-faulty", handler=MICRO, fmt="no-archive", entry_source=FAULTY_ENTRY),
+    ArchiveSpec("tiny-tight", handler={"batching": "continuous", "batch_size": 1, "max_queue": 1,
+                                       "max_new_tokens_limit": 500, "threads": 1},
+                fmt="zip-store"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen-e2e")
+    store = build_store(root, tiny_checkpoint, SPECS)
+    with running_server(store, root / "run", [s.name for s in SPECS]) as srv:
+        yield srv
 
 
 _attach_logs = attach_logs_fixture()

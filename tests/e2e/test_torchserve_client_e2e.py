@@ -17,20 +17,22 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.harness import attach_logs_fixture
-from tests.e2e.shared_server import MARKS
+from tests.e2e.harness import ArchiveSpec, attach_logs_fixture, build_store, running_server
 
-pytestmark = MARKS
-MODEL = "tiny"  # 16 slots (tests/e2e/shared_server.py)
-MODELS = (MODEL,)
+pytestmark = pytest.mark.e2e
+MODEL = "tiny-ts-client"
+SPECS = [ArchiveSpec(MODEL, handler={"batching": "continuous", "batch_size": 16,
+                                     "max_queue": 64, "threads": 1})]
 PROMPTS = [f"Story {i}: once upon a time" for i in range(16)]
 MAX_TOKENS = 24
 
 
-@pytest.fixture
-def server(tiny_server):
-    """tests/e2e/shared_server.py's TorchServe (this file's models: MODELS)."""
-    return tiny_server
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ts-client-e2e")
+    store = build_store(root, tiny_checkpoint, SPECS)
+    with running_server(store, root / "run", [MODEL]) as srv:
+        yield srv
 
 
 _attach_logs = attach_logs_fixture()
