@@ -611,7 +611,11 @@ class NeuronBaseForCausalLM(torch.nn.Module):
         out = (hf or self._hf)(input_ids=torch.tensor([tokens], dtype=torch.long),
                                position_ids=torch.tensor([positions], dtype=torch.long),
                                use_cache=False)
-        # logits.float() (MB:L1028)
+        # logits.float() (MB:L1028), vocab_size wide: the LM head pads the vocabulary to a
+        # multiple of tp (models/llama/modeling_llama.py:L1371-L1379, pad=True) but, gathering
+        # its output for the host (gather_output=not on_device_sampling), narrows it back
+        # (aws-neuron/neuronx-distributed@v2.28.0:src/neuronx_distributed/parallel_layers/
+        # layers.py:L792-L797); on-device sampling masks the pads (MB:L1031-L1039)
         return out.logits[0, -1, : vocab_size or self.vocab_size].float()
 
 
