@@ -367,7 +367,8 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
     runs: dict[tuple[float, int] | str, list[ScenarioResult]] = {}
     #: preset and speculation cells: label -> (efficiency, result) per round
     more: dict[tuple[str, int], list[tuple[float, ScenarioResult]]] = {}
-    with running_server(store, work / "device-run", [s.name for s in specs]) as server:
+    with running_server(store, work / "device-run", [s.name for s in specs],
+                        test_jvm=False) as server:
         urls = {s: f"{server.inference_url}/predictions/{label(s)}" for s in steps_ms}
         hs_urls = {v: f"{server.inference_url}/predictions/"
                       f"{host_sampling_model(host_sampling_layout(v))}" for v in variants}

@@ -109,9 +109,9 @@ def run(checkpoint: Path, work: Path, prompts: list[str], rounds: int) -> Metric
     out = MetricsCost(rounds)
     store = build_store(work / "metrics-cost", checkpoint, [archive()])
     params = GenParams(max_new_tokens=NEW_TOKENS)
-    with running_server(store, work / "metrics-on", [MODEL], openai_port=0) as on, \
+    with running_server(store, work / "metrics-on", [MODEL], openai_port=0, test_jvm=False) as on, \
             running_server(store, work / "metrics-off", [MODEL],
-                           env={METRICS_DIR_ENV: ""}) as off:
+                           env={METRICS_DIR_ENV: ""}, test_jvm=False) as off:
         servers = {True: on, False: off}
         for server in servers.values():  # each path once before anything is timed
             run_scenario(f"{server.inference_url}/predictions/{MODEL}", server.inference_token,

@@ -173,7 +173,7 @@ def main() -> None:
     root = work / f"run-{time.time_ns()}"
     store = build_store(root, ckpt, specs)
     out = []
-    with running_server(store, root / "run", [s.name for s in specs]) as srv:
+    with running_server(store, root / "run", [s.name for s in specs], test_jvm=False) as srv:
         for ms, spec in zip(steps, specs, strict=True):
             url = f"{srv.inference_url}/predictions/{spec.name}"
             for n in streams:

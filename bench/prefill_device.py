@@ -131,7 +131,8 @@ def run(checkpoint: Path, work: Path, rounds: int, threads: int = 2) -> PrefillC
     store = build_store(work / "prefill-cell", checkpoint, [archive(k, threads) for k in KINDS])
     params = VariedLength()
     scenario = Scenario("concurrency", STREAMS, requests=STREAMS * REQUESTS_PER_STREAM)
-    with running_server(store, work / "prefill-run", [f"prefill-{k}" for k in KINDS]) as server:
+    with running_server(store, work / "prefill-run", [f"prefill-{k}" for k in KINDS],
+                        test_jvm=False) as server:
         def one(kind: str) -> ScenarioResult:
             return run_scenario(f"{server.inference_url}/predictions/prefill-{kind}",
                                 server.inference_token, scenario, prompts, params,

@@ -330,7 +330,7 @@ def run_cpu(args: argparse.Namespace, checkpoint: Path, prompts: list[str], work
     build_reference(store, work, checkpoint, args.threads)
     results: dict[str, list[ScenarioResult]] = {}
     models = [s.name for s in specs] + [REFERENCE]
-    with running_server(store, work / "run", models) as server:
+    with running_server(store, work / "run", models, test_jvm=False) as server:
         cont_url = f"{server.inference_url}/predictions/bench-cont"
         print("paired rounds: in-process generate vs served (continuous) ...", flush=True)
         pairs = paired_rounds(inproc, cont_url, server.inference_token, prompts, args.rounds)

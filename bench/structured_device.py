@@ -200,7 +200,7 @@ def run(source: Path, work: Path, prompts: list[str], rounds: int, threads: int 
         ckpt = checkpoint(vocab, source, root / f"ckpt-{vocab}")
         store = build_store(root, ckpt, [archive(vocab, threads)])
     urls: dict[int, str] = {}
-    with running_server(store, root / "run", [model(v) for v in VOCABS]) as server:
+    with running_server(store, root / "run", [model(v) for v in VOCABS], test_jvm=False) as server:
         token = server.inference_token
         for vocab in VOCABS:
             urls[vocab] = f"{server.inference_url}/predictions/{model(vocab)}"

@@ -46,7 +46,7 @@ def main() -> int:
     prompts = ["Once upon a time there was a little"] * 8
     params = GenParams(max_new_tokens=device_bound.NEW_TOKENS)
     eff: dict[tuple[str, int], list[float]] = {}
-    with running_server(store, work / "run", [s.name for s in specs]) as server:
+    with running_server(store, work / "run", [s.name for s in specs], test_jvm=False) as server:
         url = {s.name: f"{server.inference_url}/predictions/{s.name}" for s in specs}
         for s in specs:  # warm-up, JIT included
             run_scenario(url[s.name], server.inference_token,

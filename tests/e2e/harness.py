@@ -69,12 +69,17 @@ def running_server(store: Path, run_dir: Path, models: list[str],
                    python: str | None = None, extra_props: dict[str, str] | None = None,
                    openai_port: int | None = None,
                    ready_timeout_s: float = 300,
-                   neuron_monitor: bool = False) -> Iterator[serve.Server]:
+                   neuron_monitor: bool = False,
+                   test_jvm: bool = True) -> Iterator[serve.Server]:
+    """TorchServe serving `models` of `store` for the block. `test_jvm` False: the frontend's
+    JVM runs as the product starts it (no TEST_VMARGS), for a benchmark that measures the
+    serving path a long-running server has, its JIT settled (bench/warmup.py)."""
     server = None
+    props = {"vmargs": TEST_VMARGS} if test_jvm else {}
     try:
         server = serve.start(store, models, run_dir, env=env, workers=workers, python=python,
                              ready_timeout_s=ready_timeout_s,
-                             extra_props={"vmargs": TEST_VMARGS, **(extra_props or {})},
+                             extra_props={**props, **(extra_props or {})},
                              openai_port=openai_port, neuron_monitor=neuron_monitor)
         yield server
     finally:
