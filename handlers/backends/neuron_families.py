@@ -1,6 +1,6 @@
 """What transformers-neuronx 0.13 needs of each family, beyond its class.
 
-One place for the neuron backend's per-family rules, so neuron_backend.py stays one code
+One place for the neuron backend's per-family rules, so the neuron backend stays one code
 path: Llama, Mistral and Mixtral share NeuronModelBase's forward, buckets, continuous
 batching and sampling, and differ in what their config and HLO read. `problems` lists
 every setting or checkpoint field the SDK would refuse, ignore or compute differently

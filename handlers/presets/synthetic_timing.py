@@ -7,7 +7,7 @@ Model (kept deliberately simple):
 - a decode call costs `decode_step_ms + decode_ms_per_row * (batch_size - 1)`, where
   batch_size is the compiled batch (`handler.batch_size`), not the rows running: on
   Neuron a decode runs the whole compiled batch, padding idle rows (see the note on
-  `prefill_inputs` in handlers/backends/neuron_backend.py), so its time does not shrink
+  `prefill_inputs` in handlers/backends/neuron_runners.py), so its time does not shrink
   with fewer live sequences. A preset's per-row increment is the slope between its
   published batch-1 and batch-8 figures; beyond 8 it is a linear extrapolation, not a
   measurement.
