@@ -23,9 +23,7 @@ from handlers.backends.base import (
     import_sdk_class,
     read_eos_ids,
 )
-from handlers.backends.capabilities import (
-    GREEDY_ROW,
-)
+from handlers.backends.capabilities import GREEDY_ROW
 from handlers.backends.neuron_cores import backend_claim
 from handlers.backends.neuron_env import apply_neuron_env, cache_root, neuron_env
 from handlers.backends.neuron_families import check_family
@@ -76,9 +74,7 @@ def read_draft_config(draft_dir: Path) -> dict[str, Any]:
     return read_model_config(draft_dir)
 
 
-
 QUANT_KEY = "handler.neuron.quantization"
-
 
 
 def _quant_configs(spec: dict[str, Any]) -> dict[str, Any]:

@@ -28,11 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handlers.backends.base import (
-    Capabilities,
-    Rows,
-    SamplingParams,
-)
+from handlers.backends.base import Capabilities, Rows, SamplingParams
 from handlers.backends.capabilities import (
     GRAMMAR_SPECULATION_WHY,
     GREEDY_ROW,
@@ -43,12 +39,9 @@ from handlers.backends.capabilities import (
 )
 from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, GenerationError, RequestError
-from neuron_cache.key import (
-    neuron_config_spec,
-)
+from neuron_cache.key import neuron_config_spec
 
 log = logging.getLogger(__name__)
-
 STEP_TIMEOUT_S = 600.0  # one sample() step; beyond this the SDK thread is considered stuck
 
 
