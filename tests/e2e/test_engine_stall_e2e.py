@@ -51,7 +51,7 @@ def test_a_stopped_model_process_is_killed_ends_every_request_and_returns_from_t
                                                             "hung (sent nothing for")
             assert_prefixes_of_greedy_answers(server, name, streamed)  # the next requests
             assert_reloaded_from_cache(root, loaded, engine.pid)
-        except (AssertionError, httpx.HTTPError, psutil.TimeoutExpired):
+        except (AssertionError, httpx.HTTPError, psutil.TimeoutExpired, TimeoutError):
             print(logs(server.run_dir))
             raise
         finally:  # never leave a stopped process behind, whatever failed

@@ -43,6 +43,6 @@ def test_a_killed_model_process_ends_every_request_and_returns_from_the_cache(
             assert_prefixes_of_greedy_answers(server, name, streamed)  # the next requests
             assert not engine.is_running()
             assert_reloaded_from_cache(root, loaded, engine.pid)
-        except (AssertionError, httpx.HTTPError):
+        except (AssertionError, httpx.HTTPError, TimeoutError):
             print(logs(server.run_dir))
             raise

@@ -57,7 +57,7 @@ def test_a_killed_or_stopped_worker_ends_every_request_and_comes_back_from_the_c
             assert psutil.Process(reloaded["pid"]).parent().pid != worker.pid
             if sig == signal.SIGSTOP:
                 assert "has been stopped for" in logs(server.run_dir)  # killed by its engine
-        except (AssertionError, httpx.HTTPError):
+        except (AssertionError, httpx.HTTPError, TimeoutError):
             print(logs(server.run_dir))
             raise
         finally:
