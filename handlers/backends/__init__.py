@@ -52,11 +52,12 @@ def family_problems(config: HandlerConfig, model_config: dict[str, Any],
 
 
 def load_backend(config: HandlerConfig, model_dir: Path,
-                 cores: Sequence[int] | None = None) -> Backend:
+                 cores: Sequence[int] | None = None, tokenizer: object | None = None) -> Backend:
     """Build the configured backend; the checkpoint path is resolved against model_dir.
 
     `cores`: NeuronCores the TorchServe worker already claimed for this process (None:
-    the Neuron backends claim their own)."""
+    the Neuron backends claim their own). `tokenizer`: the engine's, for the synthetic
+    device's words (None: it loads the checkpoint's)."""
     checkpoint = (model_dir / config.checkpoint).resolve()
     if config.backend == "neuron":
         from handlers.backends.neuron_backend import NeuronBackend
@@ -65,7 +66,7 @@ def load_backend(config: HandlerConfig, model_dir: Path,
     if config.backend == "synthetic":  # no torch: runs on any transformers the worker has
         from handlers.backends.synthetic_backend import SyntheticBackend
 
-        return SyntheticBackend(checkpoint, config)
+        return SyntheticBackend(checkpoint, config, tokenizer=tokenizer)
     if config.backend == "nxdi":
         from handlers.backends.nxdi_backend import NxdiBackend
 

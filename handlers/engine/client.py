@@ -55,6 +55,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -131,6 +132,8 @@ class EngineClient:
                  claim: CoreClaim | None = None) -> None:
         self.spec = spec
         self.limits: ModelLimits  # the loaded model's, once `_launch` has one
+        #: the first engine process's tokenizer, pickled, until `take_tokenizer`
+        self._tokenizer_pickle: bytes | None = None
         self.pid: int | None = None  # the engine process's
         self._observe = observer or (lambda name, value, unit: None)
         self._capacity = capacity
@@ -183,6 +186,12 @@ class EngineClient:
                          daemon=True).start()
         atexit.register(client.stop)
         return client
+
+    def take_tokenizer(self) -> object | None:
+        """The first engine process's tokenizer (`Ready.tokenizer`), for the worker to use
+        rather than load the same one again; once. None where it did not pickle."""
+        data, self._tokenizer_pickle = self._tokenizer_pickle, None
+        return None if data is None else pickle.loads(data)
 
     # -- the engine handle -----------------------------------------------------------
     def submit(self, request: EngineRequest, sink: Sink) -> None:
@@ -305,6 +314,8 @@ class EngineClient:
             self._incarnation += 1
             self._board.cells[Board.TAKEN] = 0.0  # after any late `_took` of the last one
             self._proc, self._conn, self.limits, self.pid = proc, conn, message.limits, proc.pid
+            if self._incarnation == 1:
+                self._tokenizer_pickle = message.tokenizer
             waiting = [r for r in self._requests.values() if r.sent_to is None]
             for entry in waiting:
                 entry.sent_to = self._incarnation

@@ -87,9 +87,12 @@ class LastWords:
 
 @dataclass(frozen=True)
 class Ready:
-    """The model is loaded: the first message of an engine process that could load it."""
+    """The model is loaded: the first message of an engine process that could load it.
+    `tokenizer`: the process's tokenizer, pickled (handlers/engine/start.pickled_tokenizer),
+    for the worker to use rather than load it again; None where it does not pickle."""
 
     limits: ModelLimits
+    tokenizer: bytes | None = None
 
 
 @dataclass(frozen=True)

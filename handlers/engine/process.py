@@ -54,7 +54,13 @@ from handlers.engine.messages import (
     TextItem,
 )
 from handlers.engine.scheduler import ErrorEvent, Event, Sink, TextEvent
-from handlers.engine.start import EngineSpec, build_sequence, model_limits, start_engine
+from handlers.engine.start import (
+    EngineSpec,
+    build_sequence,
+    model_limits,
+    pickled_tokenizer,
+    start_engine,
+)
 from handlers.errors import CapacityError
 
 logger = logging.getLogger(__name__)
@@ -184,7 +190,7 @@ def main(conn: Connection, spec: EngineSpec, board: Board | None = None,
         logger.exception("engine process %d: loading the model failed", os.getpid())
         conn.send(LoadFailed(_portable(exc), traceback.format_exc()))
         return
-    conn.send(Ready(model_limits(engine.backend)))
+    conn.send(Ready(model_limits(engine.backend), pickled_tokenizer(tokenizer)))
     threading.Thread(target=heartbeat, args=(outbox,), name="inf2serve-heartbeat",
                      daemon=True).start()
     threading.Thread(target=watch_worker,

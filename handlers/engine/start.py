@@ -12,6 +12,7 @@ imports neither, so neither imports the other.
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -33,6 +34,21 @@ def load_tokenizer(checkpoint: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(Path(checkpoint).resolve())
+
+
+def pickled_tokenizer(tokenizer: object) -> bytes | None:
+    """The engine process's tokenizer for its worker, which would otherwise load the same
+    one from the checkpoint: AutoTokenizer resolves the class through the model's config,
+    importing that model's modules (2-3 s of CPU under transformers 4.48-5, on top of the
+    tokenizer itself), which the engine process imports anyway to load the model and the
+    worker never needs. Unpickled, the worker tokenizes with the very tokenizer the engine
+    detokenizes with. None (the worker loads its own) for one that does not pickle."""
+    try:
+        return pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 -- any failure only costs the worker a load
+        logger.info("the tokenizer (%s) does not pickle (%s): the worker loads its own",
+                    type(tokenizer).__name__, e)
+        return None
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,7 @@ def start_engine(spec: EngineSpec, observer: Observer | None = None,
 
     def build() -> tuple[Backend, Scheduler]:
         backend = ((spec.make_backend and spec.make_backend())
-                   or load_backend(h, spec.model_dir, spec.cores))
+                   or load_backend(h, spec.model_dir, spec.cores, tokenizer))
         check_defaults(h, backend.capabilities)  # before warming up: it may refuse them all
         if h.warmup:
             backend.warmup()

@@ -80,7 +80,9 @@ class GenerationService:
         from handlers.engine.client import EngineClient
 
         client = EngineClient.start(config, model_dir, observer, make_backend)
-        tokenizer = load_tokenizer(model_dir / config.handler.checkpoint)
+        tokenizer = client.take_tokenizer()  # the engine process's own
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model_dir / config.handler.checkpoint)
         return cls(config, tokenizer, client.limits, client)
 
     def __post_init__(self) -> None:

@@ -399,3 +399,54 @@ def test_the_worker_holds_the_core_claim_of_both_neuron_backends(backend, monkey
     with pytest.raises(RuntimeError, match="stop here"):
         engine_client.EngineClient.start(config, tmp_path)
     assert claims == [[0, 1, 2, 3]] and len(released) == 1
+
+
+def test_the_worker_tokenizes_with_the_engine_processs_tokenizer(tiny_checkpoint, monkeypatch):
+    """A child-mode worker takes the tokenizer the engine process loaded (pickled in its
+    `Ready`) instead of loading the checkpoint's again, which costs a worker seconds of CPU
+    (AutoTokenizer imports the model's modules): it tokenizes, decodes and renders chats as
+    the checkpoint's tokenizer does."""
+    from handlers.engine.start import load_tokenizer
+    from handlers.torchserve import service as worker_service
+
+    def reload(*args):
+        raise AssertionError("the worker loaded the tokenizer again")
+
+    monkeypatch.setattr(worker_service, "load_tokenizer", reload)
+    config = parse_config({"handler": {"checkpoint": tiny_checkpoint.name, "backend": "synthetic",
+                                       "synthetic": {"decode_step_ms": 1}}})
+    service = worker_service.GenerationService.create(config, tiny_checkpoint.parent)
+    try:
+        assert isinstance(service.engine, EngineClient) and service.engine.down is None
+        assert service.engine.take_tokenizer() is None  # taken once, not kept
+        worker, loaded = service.tokenizer, load_tokenizer(tiny_checkpoint)
+        assert type(worker) is type(loaded)
+        text = "Hello there, general Kenobi!"
+        ids = loaded(text).input_ids
+        assert worker(text).input_ids == ids and service.encode(text) == loaded.encode(text)
+        assert worker.decode(ids) == loaded.decode(ids)
+        chat = [{"role": "user", "content": text}]
+        assert worker.apply_chat_template(chat, tokenize=False) == loaded.apply_chat_template(
+            chat, tokenize=False)
+        assert (worker.eos_token_id, worker.bos_token_id) == (loaded.eos_token_id,
+                                                              loaded.bos_token_id)
+    finally:
+        service.engine.stop()
+
+
+def test_a_tokenizer_that_does_not_pickle_is_loaded_by_the_worker(caplog):
+    import logging
+
+    from handlers.engine.messages import Ready
+    from handlers.engine.start import pickled_tokenizer
+
+    class Unpicklable(CharTokenizer):
+        def __reduce__(self):
+            raise TypeError("holds a lock")
+
+    with caplog.at_level(logging.INFO, logger="handlers.engine.start"):
+        assert pickled_tokenizer(Unpicklable()) is None
+    assert "does not pickle (holds a lock): the worker loads its own" in caplog.text
+    assert Ready(None).tokenizer is None  # what the worker's fallback reads
+    assert isinstance(__import__("pickle").loads(pickled_tokenizer(CharTokenizer())),
+                      CharTokenizer)
