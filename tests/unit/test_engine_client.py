@@ -34,6 +34,10 @@ needs_torch_backend = pytest.mark.skipif(
     int(__import__("transformers").__version__.split(".")[0]) < 5,
     reason="the torch backend needs transformers 5 (a Neuron SDK stack has 4.x)")
 
+needs_torch = pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("torch") is None,
+    reason="its checkpoint is built with torch (the 3.10 runtime venv has none)")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -401,6 +405,7 @@ def test_the_worker_holds_the_core_claim_of_both_neuron_backends(backend, monkey
     assert claims == [[0, 1, 2, 3]] and len(released) == 1
 
 
+@needs_torch
 def test_the_worker_tokenizes_with_the_engine_processs_tokenizer(tiny_checkpoint, monkeypatch):
     """A child-mode worker takes the tokenizer the engine process loaded (pickled in its
     `Ready`) instead of loading the checkpoint's again, which costs a worker seconds of CPU
