@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from archive_tools import pids
 from neuron_cache.store import fsync_dir, fsync_tree
 
 log = logging.getLogger(__name__)
@@ -146,12 +147,8 @@ def _owner_gone(owner: dict) -> bool:
     if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
         return False  # another host (shared filesystem) or unreadable: leave it alone
     pid = owner["pid"]
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pids.running(pid):
         return True
-    except PermissionError:  # alive, another user's
-        pass
     start = _start_time(pid)
     return start is not None and owner.get("start") not in (None, start)  # pid reused
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from archive_tools import pids
 from handlers.errors import Inf2ServeError
 
 TOOLS_DIR = "/opt/aws/neuron/bin"
@@ -79,44 +79,20 @@ def start(run_dir: Path, port: int, timeout_s: float = 30) -> str:
                          f"{logs / LOG_FILE}")
 
 
-def stop(run_dir: Path) -> bool:
-    """Stop the pipeline of `run_dir`, if one runs; True if it did."""
+def terminate(run_dir: Path) -> list[int]:
+    """SIGTERM the pipeline of `run_dir`, if one runs, without waiting: the pids signalled."""
     path = run_dir / PID_FILE
     try:
-        pids = [int(p) for p in path.read_text().split()]
+        found = [int(p) for p in path.read_text().split()]
     except (OSError, ValueError):
-        return False
+        return []
     path.unlink(missing_ok=True)
-    signalled = []
-    for pid in pids:
-        try:  # a stale pid file's number may belong to another process by now
-            if MONITOR.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
-            os.kill(pid, signal.SIGTERM)
-            signalled.append(pid)
-        except OSError:
-            continue
-    for pid in signalled:
-        if not _gone(pid, 5):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-            _gone(pid, 5)
+    return [pid for pid in found if pids.terminate_if(pid, MONITOR.encode())]
+
+
+def stop(run_dir: Path) -> bool:
+    """Stop the pipeline of `run_dir`, if one runs; True if it did."""
+    signalled = terminate(run_dir)
+    pids.end(signalled, 5)
     return bool(signalled)
 
-
-def _gone(pid: int, timeout_s: float) -> bool:
-    """Wait for `pid` to exit (reaping it if it is our child)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        except ChildProcessError:  # not ours: watch it instead
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-        time.sleep(0.05)
-    return False

@@ -40,8 +40,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -52,6 +50,7 @@ from typing import Any
 
 import httpx
 
+from archive_tools import pids
 from handlers.api.openai_framing import error_object as error
 from handlers.api.openai_framing import sse
 from handlers.api.request import brief, decode_body
@@ -437,39 +436,23 @@ def start(run_dir: Path, upstream: Upstream, port: int, timeout_s: float = 30,
                          f"{logs / LOG_FILE}")
 
 
-def stop(run_dir: Path) -> bool:
-    """Stop the router of `run_dir`, if one runs; True if it did."""
+def terminate(run_dir: Path) -> list[int]:
+    """SIGTERM the router of `run_dir`, if one runs, without waiting: its pid, or none."""
     path = run_dir / PID_FILE
     try:
         pid = int(path.read_text().strip())
     except (OSError, ValueError):
-        return False
+        return []
     path.unlink(missing_ok=True)
-    child = _CHILDREN.pop(pid, None)
-    try:  # a stale pid file's number may belong to another process by now
-        if b"archive_tools.openai_router" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return False
-    except OSError:
-        return False
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    for _ in range(50):
-        if child is not None and child.poll() is not None:
-            return True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    if child is not None:
-        child.wait(5)
-    return True
+    _CHILDREN.pop(pid, None)  # reaped by pids.end
+    return [pid] if pids.terminate_if(pid, b"archive_tools.openai_router") else []
+
+
+def stop(run_dir: Path) -> bool:
+    """Stop the router of `run_dir`, if one runs; True if it did."""
+    signalled = terminate(run_dir)
+    pids.end(signalled, 5)
+    return bool(signalled)
 
 
 def main(argv: list[str] | None = None) -> int:

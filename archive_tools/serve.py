@@ -21,7 +21,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -34,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from archive_tools import neuron_monitor as neuron_monitor_module
-from archive_tools import openai_router, ts_logs
+from archive_tools import openai_router, pids, ts_logs
 from archive_tools.jvm_options import FrontendMemory, merge_vmargs
 from archive_tools.ports import free_port
 from archive_tools.short_tmp import drop_short_tmp, short_tmp
@@ -153,13 +152,7 @@ def _pid(run_dir: Path) -> int | None:
 
 
 def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return pids.running(pid)
 
 
 def log_tail(run_dir: Path, lines: int = 60) -> str:
@@ -456,23 +449,19 @@ def stop(run_dir: Path = DEFAULT_RUN_DIR, timeout_s: float = 60) -> bool:
     if run_dir.exists() and not run_dir.is_dir():
         raise Inf2ServeError(f"--run-dir {run_dir}: not a directory; pass the --run-dir "
                              "`inf2serve serve` was given (default .serve)")
-    openai_router.stop(run_dir)
-    neuron_monitor_module.stop(run_dir)
+    # every process signalled first, then waited for together: the frontend takes ~2 s
+    # (Netty's graceful quiet period) and the others end meanwhile
+    helpers = openai_router.terminate(run_dir) + neuron_monitor_module.terminate(run_dir)
     pid = _pid(run_dir)
-    if not _alive(pid):
-        drop_short_tmp(run_dir)
-        return False
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _alive(pid):
-        os.kill(pid, signal.SIGKILL)
-    _kill_workers(run_dir)
-    for name in ("key_file.json", "server.json"):
-        (run_dir / name).unlink(missing_ok=True)
+    was_running = _alive(pid) and pids.terminate(pid)
+    if was_running:
+        pids.end([pid], timeout_s)
+        _kill_workers(run_dir)
+        for name in ("key_file.json", "server.json"):
+            (run_dir / name).unlink(missing_ok=True)
+    pids.end(helpers, 5)
     drop_short_tmp(run_dir)
-    return True
+    return was_running
 
 
 def _kill_workers(run_dir: Path) -> None:
