@@ -25,11 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import aiohttp
-
 from archive_tools.bench_stats import BenchError, RequestRecord, Scenario, ScenarioResult
+
+if TYPE_CHECKING:  # imported where a request is sent: every `inf2serve` command
+    import aiohttp  # loads this module, and aiohttp's import is ~0.5 s of CPU
 
 MAX_REQUESTS = 100_000  # cap for --duration runs, so a fast error loop still ends
 DEFAULT_TIMEOUT_S = 120.0
@@ -216,6 +218,8 @@ async def _stream(client: aiohttp.ClientSession, url: str, body: dict, rec: Requ
 async def send_request(client: aiohttp.ClientSession, url: str, body: dict, *, index: int,
                        t0: float, scheduled_s: float, timeout_s: float) -> RequestRecord:
     """Send one streaming request and time it; never raises for a failed request."""
+    import aiohttp
+
     start = time.perf_counter()
     rec = RequestRecord(index=index, scheduled_s=scheduled_s, start_s=start - t0, status=0)
     try:
@@ -288,6 +292,8 @@ async def arun_scenario(url: str, token: str | None, scenario: Scenario, prompts
                         timeout_s: float = DEFAULT_TIMEOUT_S, price_per_hour: float | None = None,
                         on_record: OnRecord | None = None) -> ScenarioResult:
     """Async form of `run_scenario`, for callers that already run an event loop."""
+    import aiohttp
+
     check_url(url)
     if not prompts:
         raise BenchError("no prompts; pass --prompt-tokens N or a non-empty --prompts-file")
