@@ -84,6 +84,9 @@ def prometheus(server, tmp_path_factory: pytest.TempPathFactory):
             stdout=log, stderr=subprocess.STDOUT)
     try:
         until(lambda: _ready(url), "Prometheus ready", 60)
+        # its first scrape comes seconds after it is ready (target discovery is throttled):
+        # a load that ended before it would leave one sample per series, and rate() none
+        until(lambda: query(url, "up"), "Prometheus's first scrape", 60)
         yield url
     finally:
         proc.terminate()
