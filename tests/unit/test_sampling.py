@@ -348,6 +348,40 @@ def _transposed(logits: torch.Tensor, compiled: int, dtype: torch.dtype = torch.
     return buf[:vocab, -1, :].transpose(0, 1)[:n]
 
 
+@pytest.mark.parametrize("vocab", [VOCABS[0], 4096, 4096 + 5])
+def test_bf16_transposed_logits_are_read_as_bits_with_torchs_argmax(vocab) -> None:
+    """A bf16 transposed view is scanned through its bits (scan.Bf16ColumnScan): the same
+    greedy tokens as torch.argmax of the float rows -- ties to the first index, -0.0 and
+    0.0 tied, rows all negative, +inf, a positive NaN -- and the same float32 logits for
+    whoever reads them whole (a grammar's rows). A negative NaN or -inf anywhere in the
+    rows sends the step to the float32 path, which ranks NaN as torch does."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-3, 4, (8, vocab), generator=g).bfloat16()  # many ties
+    logits[1] = -torch.rand(vocab, generator=g).bfloat16() - 0.5  # every value negative
+    logits[2, [3, vocab - 2]] = 9  # a tie; the second may lie past the last full block
+    logits[3] = -1
+    logits[3, [4, 9]] = torch.tensor([-0.0, 0.0]).bfloat16()  # -0.0 first: it wins the tie
+    logits[4, 7] = float("inf")
+    logits[5, 11] = float("nan")  # positive: argmax is the NaN, as torch's
+    logits[6] = 0.5
+    logits[6, vocab - 1] = 0.75
+    view = _transposed(logits, compiled=16, dtype=torch.bfloat16)
+    got = scan_module.scan(view)
+    assert isinstance(got, scan_module.Bf16ColumnScan)
+    want = [int(row.float().argmax()) for row in logits]
+    assert sample_rows(view, _samplers([SamplingParams()] * 8)) == want
+    assert want[3] == 4 and want[5] == 11 and want[6] == vocab - 1
+    assert np.array_equal(got.x, logits.float().numpy(), equal_nan=True)
+    assert np.array_equal(got.max, logits.float().amax(dim=1).numpy(), equal_nan=True)
+    for bits in (-128, -64):  # 0xFF80 -inf, 0xFFC0 a NaN with its sign bit set (as x86
+        held = logits.clone()  # makes NaN; torch's cast to bf16 would make it positive)
+        held.view(torch.int16)[0, vocab // 2] = bits
+        view = _transposed(held, compiled=16, dtype=torch.bfloat16)
+        assert not isinstance(scan_module.scan(view), scan_module.Bf16ColumnScan)
+        assert sample_rows(view, _samplers([SamplingParams()] * 8)) == [
+            int(row.float().argmax()) for row in held]
+
+
 @pytest.mark.parametrize("vocab", [VOCABS[0], 4096 + 5])
 def test_transposed_logits_give_the_same_tokens_as_contiguous_ones(vocab) -> None:
     """transformers-neuronx's column-major view is read column-wise (scan.ColumnScan) and
