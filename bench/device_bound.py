@@ -54,11 +54,12 @@ BATCH = 64
 REQUESTS_PER_STREAM = 3
 TARGETS = {(10.0, 1): 0.97, (10.0, 8): 0.97, (10.0, 32): 0.97, (5.0, 32): 0.93}  # issue 13
 #: the host-sampling cells: one step and stream count, a Llama-3 vocabulary, two kinds of
-#: request (issue 25, item 4)
+#: request (issue 25, item 4); the goal is issue 40's (item 2), which put it at 0.90 once
+#: the one read of 16.4 MB of logits per step was the floor (0.95 stays the default path's)
 HOST_SAMPLING_VOCAB = 128256
 HOST_SAMPLING_STEP_MS = 10.0
 HOST_SAMPLING_STREAMS = 32
-HOST_SAMPLING_TARGET = 0.95
+HOST_SAMPLING_TARGET = 0.90
 #: published Inf2 step times replayed by the synthetic device's presets, at the published
 #: batch 8: bf16 Llama-2-7B beside int8 Llama-3-8B (issue 27); prefill costs the preset's too
 PRESETS = ("llama-2-7b-tp24", "llama-3-8b-int8-tp24")
