@@ -263,6 +263,8 @@ class SyntheticBackend(Backend):
                 row.sampler = self._host.sampler(p, prompt)
         masks = self._steered(masks, rows, tokens)
         self._rows.update(zip(slots, rows, strict=True))
+        if self._host is not None:  # the device's logits, within its time
+            self._host.emit(tokens, slots)
         self._wait(start, self.timing.prefill_s([len(p) for p in prompts], self._one_call))
         if self._host is not None:  # after the device call, as on Neuron
             tokens = self._host.pick([row.sampler for row in rows], tokens, masks, slots)
@@ -279,6 +281,8 @@ class SyntheticBackend(Backend):
         rows = [self._rows[s] for s in slots]
         tokens = [self._next(row) for row in rows]
         masks = self._steered(masks, rows, tokens)
+        if self._host is not None:  # the device's logits, within its time
+            self._host.emit(tokens, slots)
         self._wait(start, self._decode_s)
         if self._host is not None:  # after the device call, as on Neuron
             tokens = self._host.pick([row.sampler for row in rows], tokens, masks, slots)

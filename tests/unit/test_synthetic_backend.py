@@ -347,7 +347,10 @@ def test_host_sampling_keeps_the_synthetic_tokens(tiny_checkpoint, tokenizer, pa
     host = _host(tiny_checkpoint, tokenizer, layout=layout)
     before = host._host.logits.clone()
     assert _run(host, 0, prompt, 12, params) == want
-    assert torch.equal(host._host.logits, before)  # every raised logit put back
+    # each call puts back the logit the one before raised: only the last call's is up
+    assert int((host._host.logits != before).sum()) == 1
+    host._host._restore()
+    assert torch.equal(host._host.logits, before)
 
 
 def test_host_sampling_of_unseeded_rows_in_a_full_batch(tiny_checkpoint, tokenizer):
@@ -397,13 +400,19 @@ def test_neuron_host_logits_are_transformers_neuronx_s(tiny_checkpoint, tokenize
 
 def test_host_sampling_runs_after_the_device_step(tiny_checkpoint, tokenizer, monkeypatch):
     """On Neuron the host samples the logits a call returned, before the next call can
-    start: its time lengthens the step instead of hiding inside it."""
+    start: its time lengthens the step instead of hiding inside it. The logits themselves
+    are the device's work: made within the call's time, before its deadline."""
     from handlers.backends import synthetic_backend
 
     clock = FakeClock()
     events = []
     b = _host(tiny_checkpoint, tokenizer, clock)
     sleep, pick = clock.sleep, synthetic_backend.HostSampling.pick
+    emit = synthetic_backend.HostSampling.emit
+
+    def timed_emit(self, tokens, lines=None):
+        events.append("logits")
+        emit(self, tokens, lines)
 
     def timed_sleep(seconds):
         events.append("device")
@@ -416,10 +425,11 @@ def test_host_sampling_runs_after_the_device_step(tiny_checkpoint, tokenizer, mo
 
     b._timer._sleep = timed_sleep
     monkeypatch.setattr(synthetic_backend.HostSampling, "pick", timed_pick)
+    monkeypatch.setattr(synthetic_backend.HostSampling, "emit", timed_emit)
     start = clock.now
     b.prefill([0], [[5]], [GREEDY])
     one_each(b.decode([0]))
-    assert events == ["device", "host", "device", "host"]
+    assert events == ["logits", "device", "host", "logits", "device", "host"]
     assert clock.now - start == pytest.approx(0.010 + 0.003 + 0.010 + 0.003)
 
 
