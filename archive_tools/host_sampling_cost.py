@@ -2,13 +2,14 @@
 
 Without on-device sampling every decode step returns logits and the host reads all of them to
 pick each row's token. The device waits meanwhile (the next step needs the token), so that
-time comes off every step. The rates below are what the synthetic device measured on the bench
-host with each SDK's logits as they come back (bench/results/host_sampling_device.md, 10 ms
-steps, 32 streams in a batch of 64, 128,256-token vocabulary, against 0.947 without logits):
-NxD Inference's float32 rows of the running sequences, 2.69 ms greedy and 3.63 ms sampled a
-step over 32 x 128,256 logits (0.66 and 0.88 ns a logit); transformers-neuronx's logits of every
-compiled line, in the model's bf16 as a transposed view the host converts before it picks
-(handlers/backends/sampling/scan.py), 6.93 and 8.28 ms over 64 x 128,256 (0.84 and 1.01 ns).
+time comes off every step. The rates below are what the synthetic device measured with each
+SDK's logits as they come back (bench/results/host_sampling_device.md, 2026-11-28 22:04 UTC run:
+10 ms steps, 32 streams in a batch of 64, 128,256-token vocabulary, against 0.980 without
+logits, on a 2-core VM about twice as fast as the one of the earlier runs there): NxD
+Inference's float32 rows of the running sequences, 1.10 ms greedy and 1.55 ms sampled a step
+over 32 x 128,256 logits (0.27 and 0.38 ns a logit); transformers-neuronx's logits of every
+compiled line, in the model's bf16 as a transposed view whose bits the host scans
+(handlers/backends/sampling/scan.py), 2.40 and 2.95 ms over 64 x 128,256 (0.29 and 0.36 ns).
 Both are given for the compiled batch, the most a step hands over. With a vocabulary past 100k
 that is a real share of a step at any batch worth running, which is why the ready configs of
 such models sample on the device; past 5% of a 10 ms step the line is a warning.
@@ -17,7 +18,7 @@ such models sample on the device; past 5% of a 10 ms step the line is a warning.
 from __future__ import annotations
 
 #: host seconds x 1e9 per logit read, (greedy, with temperature / top-k / top-p), by backend
-NS_PER_LOGIT = {"nxdi": (0.66, 0.88), "neuron": (0.84, 1.01)}
+NS_PER_LOGIT = {"nxdi": (0.27, 0.38), "neuron": (0.29, 0.36)}
 REFERENCE_STEP_MS = 10.0  # the device step the share is given against
 WARN_SHARE = 0.05  # of that step, sampled: past it the line is a warning
 #: how the logits come back, by backend
