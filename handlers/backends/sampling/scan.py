@@ -221,12 +221,15 @@ class Bf16ColumnScan(NumpyScan):
             top = bits.amax(dim=1)[:, :b]
             low = bits.amin(dim=1)[:, :b]
             best = torch.where(top >= 0, top, low)  # [nb, b]: each block's maximum, as bits
-        block_max = cls._f32(best.t().numpy())
-        scan = cls(x.view(torch.int16).numpy(), width, block_max)
+        scan = cls(x, width, cls._f32(best.t().numpy()))
         if scan.rest.shape[1] and (scan.rest.view(np.uint16) >= 0xFF00).any():
             return None  # the same check past the last full block
-        scan._source = x
         return scan
+
+    def __init__(self, x: torch.Tensor, width: int, block_max: np.ndarray) -> None:
+        super().__init__(x.view(torch.int16).numpy(), width, block_max)
+        self._source = x
+        self._x: np.ndarray | None = None
 
     @staticmethod
     def _f32(a: np.ndarray) -> np.ndarray:
@@ -239,9 +242,6 @@ class Bf16ColumnScan(NumpyScan):
             with one_thread():
                 self._x = self._source.t().float().t().numpy()
         return self._x
-
-    _x: np.ndarray | None = None
-    _source: torch.Tensor
 
 
 @contextmanager
