@@ -87,7 +87,11 @@ VOCABS = (17, 32 * 64 + 37)
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_greedy_is_the_per_row_argmax_ties_to_the_first_index(vocab, dtype) -> None:
+@pytest.mark.parametrize("with_sampled", [False, True])
+def test_batched_greedy_is_the_per_row_argmax_ties_to_the_first_index(vocab, dtype,
+                                                                     with_sampled) -> None:
+    """Greedy rows take torch.argmax's token, whether every row is greedy (one argmax pass)
+    or a sampled row makes the step take its block maxima first."""
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randint(-3, 4, (64, vocab), generator=g).to(dtype)  # many ties
     logits[1] = 5  # all tied
@@ -95,9 +99,10 @@ def test_batched_greedy_is_the_per_row_argmax_ties_to_the_first_index(vocab, dty
     logits[3, [5, vocab - 1]] = 9  # one in a block, one after it
     logits[4, 7] = float("inf")
     logits[5, 3] = float("nan")  # argmax: the NaN, as torch
-    samplers = _samplers([SamplingParams()] * 64)
+    samplers = _samplers([SamplingParams()] * 63 + [SamplingParams(temperature=0.9)
+                                                     if with_sampled else SamplingParams()])
     got = sample_rows(logits, samplers)
-    assert got == [int(row.float().argmax()) for row in logits]
+    assert got[:63] == [int(row.float().argmax()) for row in logits[:63]]
     assert got[1] == 0 and got[2] == vocab - 3 and got[3] == 5
     assert all(s.generated == 1 for s in samplers)
 
@@ -348,13 +353,17 @@ def _transposed(logits: torch.Tensor, compiled: int, dtype: torch.dtype = torch.
     return buf[:vocab, -1, :].transpose(0, 1)[:n]
 
 
+@pytest.mark.parametrize("gather_limit", [0, 1024])
 @pytest.mark.parametrize("vocab", [VOCABS[0], 4096, 4096 + 5])
-def test_bf16_transposed_logits_are_read_as_bits_with_torchs_argmax(vocab) -> None:
+def test_bf16_transposed_logits_are_read_as_bits_with_torchs_argmax(vocab, gather_limit,
+                                                                    monkeypatch) -> None:
     """A bf16 transposed view is scanned through its bits (scan.Bf16ColumnScan): the same
     greedy tokens as torch.argmax of the float rows -- ties to the first index, -0.0 and
     0.0 tied, rows all negative, +inf, a positive NaN -- and the same float32 logits for
     whoever reads them whole (a grammar's rows). A negative NaN or -inf anywhere in the
-    rows sends the step to the float32 path, which ranks NaN as torch does."""
+    rows sends the step to the float32 path, which ranks NaN as torch does. All-negative
+    blocks take their minimum gathered, or (past GATHER_LIMIT of them) in a whole pass."""
+    monkeypatch.setattr(scan_module.Bf16ColumnScan, "GATHER_LIMIT", gather_limit)
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randint(-3, 4, (8, vocab), generator=g).bfloat16()  # many ties
     logits[1] = -torch.rand(vocab, generator=g).bfloat16() - 0.5  # every value negative
@@ -373,6 +382,8 @@ def test_bf16_transposed_logits_are_read_as_bits_with_torchs_argmax(vocab) -> No
     assert want[3] == 4 and want[5] == 11 and want[6] == vocab - 1
     assert np.array_equal(got.x, logits.float().numpy(), equal_nan=True)
     assert np.array_equal(got.max, logits.float().amax(dim=1).numpy(), equal_nan=True)
+    blocks = logits[:, :got.blocks.shape[1] * got.width].float().unflatten(1, (-1, got.width))
+    assert np.array_equal(got.block_max, blocks.amax(dim=2).numpy(), equal_nan=True)
     for bits in (-128, -64):  # 0xFF80 -inf, 0xFFC0 a NaN with its sign bit set (as x86
         held = logits.clone()  # makes NaN; torch's cast to bf16 would make it positive)
         held.view(torch.int16)[0, vocab // 2] = bits
