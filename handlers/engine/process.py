@@ -114,9 +114,15 @@ class Outbox:
         return put
 
     def holds_requests(self) -> bool:
-        """Requests of a guarded worker are in flight here: killing it when it is stuck gets
-        them answered (without a guardian, nobody would)."""
-        return self._in_flight > 0 and self._board is not None and self._board.guarded
+        """Requests of a guarded worker are in flight here, or ended in step messages it has
+        not taken in: killing it when it is stuck gets them answered (without a guardian,
+        nobody would). A worker stopped after the engine finished its requests but before
+        it read their ends held them for good, unkilled (a 250-token stream on the Neuron
+        fake ends within the 2 s WORKER_STOPPED_S on a fast host)."""
+        board = self._board
+        if board is None or not board.guarded:
+            return False
+        return self._in_flight > 0 or board.taken < self.sent
 
     def observe(self, name: str, value: float, unit: str) -> None:
         with self._lock:

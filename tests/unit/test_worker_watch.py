@@ -72,3 +72,26 @@ def test_a_running_or_idle_worker_is_left_alone(worker) -> None:
     worker.wait()
     thread.join(2)
     assert not thread.is_alive()  # the worker is gone: the pipe's end takes over
+
+
+def test_requests_ended_in_step_messages_the_worker_has_not_taken_in_are_held() -> None:
+    """The engine finished a request but the worker (stopped) never read its end: it still
+    holds that request, so a stopped worker is killed and its guardian answers it."""
+    from multiprocessing import Pipe
+
+    from handlers.engine.board import Board
+    from handlers.engine.scheduler import FinishEvent
+
+    board = Board()
+    ours, theirs = Pipe()
+    outbox = process.Outbox(ours, board)
+    put = outbox.sink("r1")
+    assert not outbox.holds_requests()  # no guardian: killing the worker helps nobody
+    board.cells[Board.GUARDED] = 1.0
+    assert outbox.holds_requests()  # in flight
+    put(FinishEvent("length", 1, 1, "x"))
+    outbox.flush()
+    assert outbox.holds_requests()  # its end is in a step message the worker has not read
+    board.cells[Board.TAKEN] = outbox.sent
+    assert not outbox.holds_requests()
+    theirs.close()
