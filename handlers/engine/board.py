@@ -23,6 +23,9 @@ atomic):
 - `guarded`, by the worker: 1 once its guardian runs and its writes are counted. Only then
   is killing a stuck worker of use (someone answers its requests), and only then does
   `writes` say whether it waits on the frontend.
+- `reading`, by the worker's reader thread: 1 from a message's first byte until its
+  requests are noted with the guardian. A worker that dies there leaves the socket in the
+  middle of a message (or a request nobody noted), so no other process may read on.
 
 Standard library only: the guardian imports it.
 """
@@ -40,7 +43,7 @@ _SIZE = mmap.PAGESIZE
 class Board:
     """The shared numbers; pickles to a spawned process (multiprocessing passes the fd)."""
 
-    STEP_SINCE, RECEIVED, TAKEN, WRITES, WRITTEN, GUARDED = range(6)
+    STEP_SINCE, RECEIVED, TAKEN, WRITES, WRITTEN, GUARDED, READING = range(7)
 
     def __init__(self, fd: int | None = None) -> None:
         if fd is None:
@@ -71,6 +74,14 @@ class Board:
     @property
     def guarded(self) -> bool:
         return self.cells[Board.GUARDED] == 1.0
+
+    @property
+    def written(self) -> int:
+        return int(self.cells[Board.WRITTEN])
+
+    def reading(self) -> bool:
+        """The worker is inside a message from TorchServe (or died in one)."""
+        return self.cells[Board.READING] != 0.0
 
     def writing(self) -> bool:
         """The worker is inside a write to TorchServe's socket (or died in one)."""

@@ -67,6 +67,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 from handlers.backends.base import Backend
 from handlers.backends.neuron_cores import CoreClaim, available_cores, claim_cores
@@ -75,7 +76,7 @@ from handlers.engine import process as engine_process
 from handlers.engine.board import Board, CountedWrites
 from handlers.engine.core import Observer
 from handlers.engine.delivery import deliver
-from handlers.engine.guardian import Guardian
+from handlers.engine.guardian import GuardedWrites, Guardian
 from handlers.engine.messages import (
     SILENT_S,
     Cancel,
@@ -231,20 +232,27 @@ class EngineClient:
         elif conn is not None:  # else the dead process's requests are being answered
             self._send(conn, Cancel(request_id))
 
-    def hand_over(self, sock: socket.socket, closing: bytes) -> CountedWrites | None:
+    def hand_over(self, sock: socket.socket, closing: bytes,
+                  exact: tuple[bytes, ...] | None = None,
+                  takeover: dict[str, Any] | None = None) -> CountedWrites | None:
         """Start this worker's guardian with a duplicate of TorchServe's socket to the
         frontend: if the worker dies, it answers the worker's requests there (their
         `LastWords`, then `closing`) and closes it; while the worker lives, it alone writes.
         Returns the socket to write through from now on (each write counted on the board:
         the guardian must not add to a message the worker died writing), or None where no
-        guardian could start."""
+        guardian could start. With `exact` (the worker notes each message it reads and
+        each answer's last write: a `GuardedWrites`), the guardian answers exactly the
+        requests left unanswered and, with `takeover`, starts a worker on the socket
+        instead of closing it (handlers/engine/guardian.py, `Farewell`)."""
         try:
-            guardian = Guardian.start(sock, closing, self._board)
+            guardian = Guardian.start(sock, closing, self._board, exact,
+                                      takeover if exact is not None else None)
         except OSError:
             logger.exception("starting the guardian failed: if this worker dies, nobody "
                              "answers its requests")
             return None
-        writes = CountedWrites(sock, self._board)
+        writes = (CountedWrites(sock, self._board) if exact is None
+                  else GuardedWrites(sock, self._board, guardian))
         with self._lock:
             self._guardian = guardian
         self._board.cells[Board.GUARDED] = 1.0

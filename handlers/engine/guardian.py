@@ -23,22 +23,35 @@ written after it would be read as the rest of it. The board says so (`writes` !=
 `written`, handlers/engine/board.py), and the guardian then closes the socket without a
 word: the frontend errors what it can, and nothing it reads is corrupt.
 
+Nor does it leave the frontend to restart the worker, which TorchServe 0.12 does badly
+under traffic (docs/design.md): where the worker noted every message it read and every
+answer's last write (`GuardedWrites`), the guardian answers exactly the requests left
+unanswered and starts a worker that takes the socket over (`take_over`, handlers/
+torchserve/takeover.py), closing it only where it cannot know the socket's state.
+
 Standard library only (started as `python -I -S`): tens of milliseconds and a few MB.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from handlers.engine.board import Board, CountedWrites
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +84,17 @@ class Farewell:
     last event reaches the worker or the worker cancels it, before the worker can write
     its end: the frontend fails on an answer for a request it no longer has
     (AsyncBatchAggregator.java:92-97), and the closing message covers those.
+
+    Exact (`arm(..., exact=...)`, the worker's own WorkerService): the worker also notes
+    every request it reads off the socket (`read`) and, before the write that ends a
+    request's answer, that write's number on the board (`final`). Then the book is every
+    request read whose last write the board does not show as written: each is answered on
+    its own (a request read but never booked -- an error, a cancel, an answer made without
+    the engine -- with the whole 500 of `exact`), no closing message is needed, and the
+    requests the frontend sent since stay unread on the socket for a worker that takes it
+    over (`takeover`). Where the worker died inside a message from the frontend (the
+    board's `reading`), the socket's next bytes are not a message's start and the
+    requests in that message were never noted: the farewell is the closing one, as before.
     """
 
     def __init__(self) -> None:
@@ -80,15 +104,28 @@ class Farewell:
         self._torn: Callable[[], bool] = lambda: False
         self._words: dict[str, Any] = {}
         self._spoken: set[str] = set()  # requests some of whose text reached the worker
+        #: exact: the whole 500 of a request read but never booked, as its message's tails
+        self._exact: tuple[bytes, ...] | None = None
+        self._board: Any = None
+        self._read: dict[str, None] = {}  # exact: requests read, not yet known answered
+        self._finals: deque[tuple[int, list[str]]] = deque()  # (write number, requests)
 
     def arm(self, sock: socket.socket, closing: bytes,
-            torn: Callable[[], bool] | None = None) -> None:
-        """`torn()`, asked once the worker is gone: did it die inside a write?"""
+            torn: Callable[[], bool] | None = None, exact: tuple[bytes, ...] | None = None,
+            board: Any = None) -> None:
+        """`torn()`, asked once the worker is gone: did it die inside a write? `exact`, with
+        the worker's `board`: see the class."""
         with self._lock:
             old, self._sock, self._closing = self._sock, sock, closing
             self._torn = torn or (lambda: False)
+            self._exact = exact if board is not None else None
+            self._board = board
         if old is not None:
             old.close()
+
+    @property
+    def exact(self) -> bool:
+        return self._exact is not None
 
     def disarm(self) -> None:
         """The worker stops on purpose: nothing to say, the socket closes."""
@@ -97,6 +134,29 @@ class Farewell:
         if sock is not None:
             sock.close()
 
+    def read(self, request_ids: Iterable[str]) -> None:
+        """Exact: the worker read these requests off the socket."""
+        with self._lock:
+            if self._sock is not None and self._exact is not None:
+                self._read.update(dict.fromkeys(request_ids))
+
+    def final(self, request_ids: list[str], write: int) -> None:
+        """Exact: the worker's write number `write` ends these requests' answers. Requests
+        whose last write the board shows written leave every record here."""
+        with self._lock:
+            if self._exact is None:
+                return
+            self._finals.append((write, request_ids))
+            self._prune(self._board.written)
+
+    def _prune(self, written: int) -> None:
+        finals = self._finals
+        while finals and finals[0][0] <= written:
+            for request_id in finals.popleft()[1]:
+                self._read.pop(request_id, None)
+                self._words.pop(request_id, None)
+                self._spoken.discard(request_id)
+
     def expect(self, words: Any) -> None:
         """`words`: request_id, silent, spoken (LastWords or `Words`)."""
         with self._lock:
@@ -104,52 +164,118 @@ class Farewell:
                 self._words[words.request_id] = words
 
     def holds_requests(self) -> bool:
-        return self._sock is not None and bool(self._words)
+        return self._sock is not None and bool(self._words or self._read)
 
     def forget(self, request_id: str) -> None:
         with self._lock:
+            if self._exact is not None:  # the worker ends it: whether its text went out
+                self._spoken.add(request_id)  # is not known here, and the in-band words
+                return  # are an error either way (worker_service.last_words)
             self._words.pop(request_id, None)
             self._spoken.discard(request_id)
 
     def sent(self, texts: Iterable[tuple[str, str, int]],
              finals: Iterable[tuple[str, Any]]) -> None:
         """Events reached the worker: their text may be on the frontend's wire, and ended
-        requests are the worker's to end."""
+        requests are the worker's to end (exact: until their last write is written, they
+        keep their words)."""
         with self._lock:
             words, spoken = self._words, self._spoken
             for request_id, text, _ in texts:
                 if text and request_id in words:
                     spoken.add(request_id)
+            if self._exact is not None:
+                return
             for request_id, _ in finals:
                 if words.pop(request_id, None) is not None:
                     spoken.discard(request_id)
 
     def say(self) -> None:
         """The worker is gone: every request's last words, the closing message, the close."""
+        if self.answer():
+            self.close(closing=True)
+
+    def answer(self) -> bool:
+        """The worker is gone: every request's last words (exact: every unanswered request
+        it read). False where nothing more can be said: the worker died inside a write (the
+        socket is closed without a word, which leaves no message torn) or the frontend went
+        away; True where the socket is still there, for the closing message or a takeover."""
         with self._lock:
-            sock, self._sock = self._sock, None
+            sock = self._sock
             if sock is None:
-                return
+                return False
             if self._torn():
                 logger.error("guardian %d: the TorchServe worker died inside a write to the "
                              "frontend; closing its socket without a word after that torn "
                              "message (the frontend errors what it can)", os.getpid())
+                self._sock = None
                 _close(sock)
-                return
+                return False
             spoken = self._spoken
-            answers = [w.spoken if w.spoken is not None and rid in spoken else w.silent
-                       for rid, w in self._words.items()]
+            if self._exact is not None:
+                self._prune(self._board.written)
+                pending = list(self._read)
+            else:
+                pending = list(self._words)
+            answers = []
+            for rid in pending:
+                w = self._words.get(rid)
+                if w is None:
+                    answers.append(_message(rid, self._exact or ()))
+                else:
+                    answers.append(w.spoken if w.spoken is not None and rid in spoken
+                                   else w.silent)
+            self._words, self._read, self._spoken = {}, {}, set()
+            self._finals.clear()
             try:
                 sock.settimeout(SAY_TIMEOUT_S)
-                sock.sendall(b"".join([*answers, self._closing]))
+                sock.sendall(b"".join(answers))
             except OSError as exc:  # the frontend went away too (a shutdown): nobody to tell
                 logger.error("guardian %d: writing to TorchServe failed: %s", os.getpid(), exc)
-                return
-            finally:
+                self._sock = None
                 _close(sock)
+                return False
         logger.error("guardian %d: the TorchServe worker died; answered its %d request(s) "
-                     "with a 500 and the frontend's others with its closing message, then "
-                     "closed its socket", os.getpid(), len(answers))
+                     "with a 500", os.getpid(), len(answers))
+        return True
+
+    def reading(self) -> bool:
+        """Exact: the worker died inside a message from the frontend (see the class)."""
+        return self._board is not None and self._board.reading()
+
+    def close(self, closing: bool) -> None:
+        """The closing message (`closing`: it errors every request still in the
+        frontend's map), then the close: the frontend restarts the worker."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        try:
+            if closing:
+                sock.sendall(self._closing)
+        except OSError as exc:
+            logger.error("guardian %d: writing to TorchServe failed: %s", os.getpid(), exc)
+        finally:
+            _close(sock)
+        logger.error("guardian %d: closed the dead worker's socket%s", os.getpid(),
+                     " after its closing message" if closing else "")
+
+    def hand_off(self) -> socket.socket | None:
+        """The socket, for a worker that takes it over; this farewell says nothing more."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.settimeout(None)
+        return sock
+
+
+def _message(request_id: str, tails: tuple[bytes, ...]) -> bytes:
+    """A code-200 message of `tails`' predictions for one request (worker_service._message's
+    layout: the request id goes in front of each prediction)."""
+    rid = request_id.encode("utf-8")
+    head = struct.pack("!i", len(rid)) + rid
+    return b"".join([struct.pack("!ii", 200, 0), *(head + t for t in tails),
+                     struct.pack("!i", -1)])
 
 
 def _close(sock: socket.socket) -> None:
@@ -172,9 +298,13 @@ class Guardian:
         self._lost = False
 
     @classmethod
-    def start(cls, sock: socket.socket, closing: bytes, board: Any) -> Guardian:
+    def start(cls, sock: socket.socket, closing: bytes, board: Any,
+              exact: tuple[bytes, ...] | None = None,
+              takeover: dict[str, Any] | None = None) -> Guardian:
         """A guardian holding a duplicate of `sock` (and of `board`'s fd); `closing`: the
-        message that errors every request the frontend still has on this worker."""
+        message that errors every request the frontend still has on this worker. `exact`:
+        the worker notes what it reads and what it has answered (see `Farewell`), and
+        `takeover`: how to start a worker that takes the socket over (`take_over`)."""
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])
         fds = (theirs.fileno(), sock.fileno(), board.fd)
@@ -184,7 +314,7 @@ class Guardian:
         finally:
             theirs.close()
         guardian = cls(proc, Connection(ours.detach()))
-        guardian._send(("arm", closing))
+        guardian._send(("arm", closing, exact, takeover))
         return guardian
 
     def expect(self, words: Any) -> None:
@@ -195,6 +325,12 @@ class Guardian:
 
     def forget(self, request_id: str) -> None:
         self._send(("forget", request_id))
+
+    def read(self, request_ids: list[str]) -> None:
+        self._send(("read", request_ids))
+
+    def final(self, request_ids: list[str], write: int) -> None:
+        self._send(("final", request_ids, write))
 
     def stand_down(self, timeout_s: float = 2) -> None:
         """The worker stops: the guardian closes its socket quietly and exits."""
@@ -217,17 +353,138 @@ class Guardian:
                              "answers its requests", self.proc.pid, exc)
 
 
+class GuardedWrites(CountedWrites):
+    """TorchServe's socket as an exact guardian's worker uses it (worker_service.
+    WorkerService): each write counted, each message read and each answer's last write
+    noted with the guardian first (`Farewell`)."""
+
+    def __init__(self, sock: Any, board: Board, guardian: Guardian) -> None:
+        super().__init__(sock, board)
+        self._guardian = guardian
+
+    def reading(self) -> None:
+        """A message from the frontend has begun: until `read`, no other worker may read on."""
+        self._cells[Board.READING] = 1.0
+
+    def read(self, request_ids: list[str]) -> None:
+        """The message's requests, noted; the socket is at a message's start again."""
+        self._guardian.read(request_ids)
+        self._cells[Board.READING] = 0.0
+
+    def sendall_final(self, data: bytes, request_ids: list[str]) -> None:
+        """`data` ends these requests' answers: noted with its write's number, then sent."""
+        self._guardian.final(request_ids, int(self._cells[Board.WRITES]) + 1)
+        self.sendall(data)
+
+
+#: how a worker that takes a dead one's socket over starts (handlers/torchserve/takeover.py)
+_TAKEOVER_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+                  "from handlers.torchserve.takeover import main; main(sys.argv[2:])")
+#: the environment variable naming the pipe on which it says it serves
+READY_FD_ENV = "INF2SERVE_TAKEOVER_READY_FD"
+#: ... and the one counting the workers in a row that died soon after taking over
+SHORT_LIVED_ENV = "INF2SERVE_TAKEOVER_SHORT_LIVED"
+#: a worker that took over and died within this many seconds counts as short-lived; after
+#: MAX_SHORT_LIVED of them in a row the socket goes back to TorchServe (its restart backs off)
+SHORT_LIVED_S, MAX_SHORT_LIVED = 60.0, 3
+
+
+def short_lived(takeover: dict[str, Any]) -> int:
+    """How many workers in a row, this dead one included, died within SHORT_LIVED_S of
+    taking a socket over (0: this one lived longer, or was TorchServe's own)."""
+    if time.time() - float(takeover.get("serving_since", 0.0)) >= SHORT_LIVED_S:
+        return 0
+    return int(takeover.get("short_lived", -1)) + 1
+
+
+def redirect_logs(sock: socket.socket) -> str | None:
+    """Point this process's stdout and stderr (and so its children's) at the frontend's
+    model log, where TorchServe writes what a worker prints: the frontend closes the dead
+    worker's pipes once it sees that process exit (the JDK drains and closes a child's
+    streams then), so a worker taking over would print into a closed pipe. The log is
+    ${LOG_LOCATION:-logs}/model_log.log of the frontend (its log4j2.xml), `logs` relative
+    to the frontend's working directory, found through the socket's peer (SO_PEERCRED).
+    The file's path, or None (left as it was) where it cannot be found or opened."""
+    location = os.environ.get("LOG_LOCATION") or "logs"
+    if not os.path.isabs(location):
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                    struct.calcsize("3i"))
+            pid = struct.unpack("3i", creds)[0]
+            location = os.path.join(os.readlink(f"/proc/{pid}/cwd"), location)
+        except (AttributeError, OSError):
+            return None
+    path = os.path.join(location, "model_log.log")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return path
+
+
+def take_over(sock: socket.socket, takeover: dict[str, Any]) -> bool:
+    """Start a worker on the dead one's socket (its requests answered, the next message's
+    start unread) and wait until its own guardian runs: True. False, the worker killed,
+    where it exits or has not said so within `takeover["timeout_s"]` (TorchServe's own
+    bound on a model's load, startupTimeout)."""
+    ready_r, ready_w = os.pipe()
+    env = {**os.environ, READY_FD_ENV: str(ready_w),
+           SHORT_LIVED_ENV: str(short_lived(takeover))}
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _TAKEOVER_BOOT, takeover["root"], str(sock.fileno()),
+             json.dumps(takeover)], pass_fds=(sock.fileno(), ready_w),
+            stdin=subprocess.DEVNULL, env=env)
+    except OSError:
+        logger.exception("guardian %d: starting a worker to take the socket over failed",
+                         os.getpid())
+        os.close(ready_r)
+        return False
+    finally:
+        os.close(ready_w)
+    logger.error("guardian %d: worker %d takes the dead worker's socket over", os.getpid(),
+                 proc.pid)
+    try:
+        ready, _, _ = select.select([ready_r], [], [], float(takeover.get("timeout_s", 120)))
+        said = os.read(ready_r, 1) if ready else b""
+    finally:
+        os.close(ready_r)
+    if said == b"1":
+        return True
+    logger.error("guardian %d: worker %d did not take the socket over (%s)", os.getpid(),
+                 proc.pid, "it exited" if ready else "timed out")
+    proc.kill()
+    proc.wait()
+    return False
+
+
+def signal_ready() -> None:
+    """In a worker that takes a socket over: its guardian runs, the old one may go."""
+    fd = os.environ.pop(READY_FD_ENV, None)
+    if fd is None:
+        return
+    try:
+        os.write(int(fd), b"1")
+        os.close(int(fd))
+    except OSError:
+        logger.exception("telling the old guardian that this worker serves failed")
+
+
 def main(argv: list[str]) -> None:
     """The guardian process: notes until the worker's pipe closes, then the farewell."""
     logging.basicConfig(stream=sys.stdout, format="%(message)s", level=logging.INFO)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the worker's to handle
-    from handlers.engine.board import Board
-
     notes_fd, frontend_fd, board_fd = map(int, argv)
     notes = Connection(notes_fd)
     board = Board(board_fd)
     farewell = Farewell()
     frontend = socket.socket(fileno=frontend_fd)
+    takeover: dict[str, Any] | None = None
     while True:
         try:
             note = notes.recv()
@@ -238,11 +495,30 @@ def main(argv: list[str]) -> None:
             farewell.expect(Words(*note[1:]))
         elif kind == "sent":
             farewell.sent(note[1], note[2])
+        elif kind == "read":
+            farewell.read(note[1])
+        elif kind == "final":
+            farewell.final(note[1], note[2])
         elif kind == "forget":
             farewell.forget(note[1])
         elif kind == "arm":
-            farewell.arm(frontend, note[1], board.writing)
+            _, closing, exact, takeover = note
+            farewell.arm(frontend, closing, board.writing, exact, board)
         elif kind == "stop":
             farewell.disarm()
             return
-    farewell.say()
+    if (takeover is None or not farewell.exact or farewell.reading()
+            or short_lived(takeover) >= MAX_SHORT_LIVED):
+        farewell.say()
+        return
+    if not farewell.answer():  # torn, or the frontend is gone
+        return
+    sock = farewell.hand_off()
+    if sock is None:
+        return
+    redirect_logs(sock)
+    if take_over(sock, takeover):
+        sock.close()  # the new worker and its guardian hold their own
+        return
+    farewell.arm(sock, closing)  # no worker took it: the closing message and the close
+    farewell.close(closing=True)

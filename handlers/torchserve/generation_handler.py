@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import struct
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from handlers.api.routes import select_api
 from handlers.backends.base import Backend
 from handlers.checkpoint_checks import load_worker_config
 from handlers.config import ModelConfig
+from handlers.engine import guardian
 from handlers.engine.client import LAST_WORDS, EngineClient
 from handlers.engine.core import Observer
 from handlers.engine.messages import LastWords
@@ -254,6 +257,8 @@ class GenerationHandler:
         self.initialized = False
         self._sender: ChunkSender | None = None
         self._handed_over = False  # the guardian answers for this worker if it dies
+        #: how the guardian starts a worker on this one's socket if it dies (takeover.py)
+        self._takeover: dict[str, Any] | None = None
         #: the model's other workers, asked for a request the router cancels and this one
         #: does not run (TorchServe gives the cancel to any worker)
         self._peers: CancelPeers | None = None
@@ -273,6 +278,7 @@ class GenerationHandler:
             make_backend=partial(_subclass_backend, type(self), config, model_dir)
             if overridden else None)
         self._peers = CancelPeers.open(model_dir, self.service.cancel_client)
+        self._takeover = takeover_params(context)
         self.initialized = True
 
     def make_backend(self, config: ModelConfig, model_dir: Path) -> Backend | None:
@@ -387,9 +393,14 @@ class GenerationHandler:
         left to answer."""
         engine = self.service.engine if self.service is not None else None
         if not isinstance(engine, EngineClient):
+            guardian.signal_ready()
             return None
-        writes = engine.hand_over(sock, worker_service.closing_message(WORKER_DIED))
+        writes = engine.hand_over(sock, worker_service.closing_message(WORKER_DIED),
+                                  worker_service.silent_tails(
+                                      native_framer(False, "").error(500, WORKER_DIED)),
+                                  self._takeover)
         self._handed_over = True
+        guardian.signal_ready()  # a worker that took a dead one's socket over serves now
         return writes
 
     def _sender_for(self, sock: Any) -> ChunkSender:
@@ -426,6 +437,26 @@ def _subclass_backend(cls: type[GenerationHandler], config: ModelConfig,
                       model_dir: Path) -> Backend | None:
     """A handler subclass's backend, built where the engine runs (picklable: a partial)."""
     return cls().make_backend(config, model_dir)
+
+
+def takeover_params(context: Any) -> dict[str, Any] | None:
+    """What TorchServe's load request gave this worker (ts/model_service_worker.py:84-160),
+    for a worker that takes its socket over (handlers/torchserve/takeover.py); None where
+    the context lacks any of it (not a TorchServe worker's)."""
+    try:
+        props, model = context.system_properties, context.manifest["model"]
+        metrics_config = context.metrics.config_file_path
+        timeout_s = float((context.model_yaml_config or {}).get("startupTimeout", 120))
+        return {"root": str(Path(__file__).resolve().parents[2]),
+                "model_name": context.model_name, "model_dir": str(props["model_dir"]),
+                "handler": model.get("handler"), "envelope": model.get("envelope"),
+                "gpu": props.get("gpu_id"), "batch_size": props.get("batch_size"),
+                "limit_max_image_pixels": props.get("limit_max_image_pixels", True),
+                "metrics_config": metrics_config, "timeout_s": timeout_s,
+                "serving_since": time.time(), "short_lived": int(
+                    os.environ.get(guardian.SHORT_LIVED_ENV, -1))}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _last_words(request_id: str, framer: Framer) -> LastWords | None:

@@ -66,10 +66,10 @@ def install(on_socket: Callable[[Any], Any] | None = None) -> bool:
     return True
 
 
-def _receive(sock: Any) -> tuple[bytes, Any]:
+def _receive(sock: Any, begun: Callable[[], None] | None = None) -> tuple[bytes, Any]:
     """One message from the frontend: TorchServe's decoder, without the INFO log line
     `retrieve_msg` writes per request (ts/protocol/otf_message_handler.py:26-42), which
-    the frontend then reads, parses and logs again."""
+    the frontend then reads, parses and logs again. `begun()` once its first byte is in."""
     from ts.protocol import otf_message_handler as otf
 
     read_buffer = getattr(otf, "_retrieve_buffer", None)
@@ -77,9 +77,17 @@ def _receive(sock: Any) -> tuple[bytes, Any]:
     if read_buffer is None or read_inference is None:  # a TorchServe without them
         return otf.retrieve_msg(sock)
     cmd = read_buffer(sock, 1)
+    if begun is not None:
+        begun()
     if cmd != b"I":  # a load or unknown command is not expected after the load
         raise ValueError(f"unexpected command {cmd!r} from the frontend after the model loaded")
     return cmd, read_inference(sock)
+
+
+def _request_id(item: dict) -> str:
+    """A decoded request's id (ts/service.py retrieve_data_for_inference reads it so)."""
+    rid = item.get("requestId", b"")
+    return bytes(rid).decode("utf-8") if isinstance(rid, (bytes, bytearray)) else str(rid)
 
 
 class WorkerService:
@@ -102,6 +110,7 @@ class WorkerService:
         self.loop = asyncio.get_running_loop()
         self._ended = self.loop.create_future()
         sock = self.service.cl_socket
+        notes: Any = None
         if self._on_socket is not None:
             try:
                 writes = self._on_socket(sock)
@@ -110,16 +119,22 @@ class WorkerService:
             else:
                 if writes is not None:
                     self.service.cl_socket = writes  # what `_predict` and the handler write to
-        threading.Thread(target=self._read, args=(sock,), name="inf2serve-ts-reader",
+                    notes = writes if hasattr(writes, "sendall_final") else None
+        threading.Thread(target=self._read, args=(sock, notes), name="inf2serve-ts-reader",
                          daemon=True).start()
         logger.info("serving TorchServe's async protocol with inf2serve's worker service")
         return await self._ended
 
-    def _read(self, sock: Any) -> None:
-        """The reader thread: each request to the loop, as it arrives."""
+    def _read(self, sock: Any, notes: Any = None) -> None:
+        """The reader thread: each request to the loop, as it arrives. `notes` (an exact
+        guardian's socket, handlers/engine/guardian.GuardedWrites): each message's start
+        and its requests noted, before anything of them can be answered."""
+        begun = notes.reading if notes is not None else None
         try:
             while True:
-                _, batch = _receive(sock)
+                _, batch = _receive(sock, begun)
+                if notes is not None:
+                    notes.read([_request_id(item) for item in batch])
                 self.loop.call_soon_threadsafe(self._start, batch)
         except BaseException:  # the frontend went away (or sent garbage): the worker ends
             self.loop.call_soon_threadsafe(self._end, traceback.format_exc())
@@ -173,7 +188,11 @@ class WorkerService:
                                                    context=context)
         if response is not None:  # None on ranks other than 0 (nothing to send)
             try:
-                service.cl_socket.sendall(response)
+                final = getattr(service.cl_socket, "sendall_final", None)
+                if final is not None:  # every request of the batch ends with this write
+                    final(response, list(ids.values()))
+                else:
+                    service.cl_socket.sendall(response)
             except OSError:  # the frontend went away; the reader thread ends the worker
                 logger.exception("sending a response to the frontend failed")
 
@@ -259,6 +278,16 @@ def last_words(request_id: str, content_type: str, whole: str,
         spoken = _message(request_id, [_prediction_tail(content_type, 500, "true", ""),
                                        _prediction_tail(content_type, 500, "false", in_stream)])
     return LastWords(request_id, _message(request_id, [whole_tail, end]), spoken)
+
+
+def silent_tails(whole: str) -> tuple[bytes, ...] | None:
+    """The predictions of `last_words`' silent answer, for any request id: a whole 500 with
+    body `whole`, then the end (handlers/engine/guardian.py puts an id in front of each)."""
+    end = _prediction_tail("", 200, "false", "")
+    whole_tail = _prediction_tail("application/json", 500, None, whole)
+    if end is None or whole_tail is None:
+        return None
+    return (whole_tail, end)
 
 
 def closing_message(text: str) -> bytes:

@@ -1,20 +1,24 @@
 """A TorchServe worker process that dies never hangs a request (issue 30), through a real
 TorchServe.
 
-The engine process holds a duplicate of the worker's socket to the frontend; when the
+The worker's guardian holds a duplicate of the worker's socket to the frontend; when the
 worker gets SIGKILL, it writes each request's last words there (an in-band error for a
-stream, a 500 for an answer not yet started), then closes it, and TorchServe restarts
-the worker. Four requests run on the Neuron fake -- a native ndjson stream, two OpenAI SSE
-streams (chat, completions) and a native non-streamed one -- when the *worker* (the engine
-process's parent) is killed: each must end with its error within 5 s, once, and the next
-request must succeed on a new worker whose model loads from the compile cache. A worker
-that is stopped instead (SIGSTOP: it neither dies nor reads) is killed by the engine
-process after 2 s (handlers/engine/process.py watch_worker), and the same follows.
+stream, a 500 for an answer not yet started) and starts a worker that takes the socket
+over (handlers/torchserve/takeover.py): TorchServe never restarts it. Four requests run on
+the Neuron fake -- a native ndjson stream, two OpenAI SSE streams (chat, completions) and a
+native non-streamed one -- when the *worker* (the engine process's parent) is killed: each
+must end with its error within 5 s, once, and the next request must succeed on a new
+worker whose model loads from the compile cache. A worker that is stopped instead
+(SIGSTOP: it neither dies nor reads) is killed by the engine process after 2 s
+(handlers/engine/process.py watch_worker), and the same follows. Then the worker that took
+over is killed under steady traffic (a request every 0.1 s): every request ends, and the
+model serves again while they keep coming, which TorchServe's own restart never managed.
 """
 
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import httpx
 import psutil
@@ -24,6 +28,7 @@ from tests.e2e._kill_helpers import (
     assert_each_ended_once_with_an_error,
     assert_prefixes_of_greedy_answers,
     assert_reloaded_from_cache,
+    assert_steady_traffic_survives_a_kill,
     engine_process,
     signal_mid_stream,
     wait_for_workers,
@@ -32,6 +37,11 @@ from tests.e2e.harness import build_store, logs, running_server
 from tests.e2e.test_neuron_e2e import _env, _neuron_spec
 
 pytestmark = pytest.mark.e2e
+
+
+def ts_log(run_dir: Path) -> str:
+    path = run_dir / "logs" / "ts_log.log"
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
@@ -49,7 +59,7 @@ def test_a_killed_or_stopped_worker_ends_every_request_and_comes_back_from_the_c
 
             streamed = assert_each_ended_once_with_an_error(outcomes, waited,
                                                             "worker process died")
-            # the engine process of the dead worker is gone; TorchServe restarts the worker
+            # the engine process of the dead worker is gone; a worker takes its socket over
             engine.wait(10)
             assert wait_for_workers(server, 2, 120)
             assert_prefixes_of_greedy_answers(server, name, streamed)  # the next requests
@@ -57,6 +67,11 @@ def test_a_killed_or_stopped_worker_ends_every_request_and_comes_back_from_the_c
             assert psutil.Process(reloaded["pid"]).parent().pid != worker.pid
             if sig == signal.SIGSTOP:
                 assert "has been stopped for" in logs(server.run_dir)  # killed by its engine
+            else:  # the worker now serving is the one that took the socket over: kill it
+                taken = psutil.Process(reloaded["pid"]).parent()  # under steady traffic
+                assert "takeover" in " ".join(taken.cmdline())
+                assert_steady_traffic_survives_a_kill(server, root, name, taken)
+                assert "Received more than 1 control command" not in ts_log(server.run_dir)
         except (AssertionError, httpx.HTTPError, TimeoutError):
             print(logs(server.run_dir))
             raise

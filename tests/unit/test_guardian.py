@@ -5,21 +5,25 @@ farewell says; tests/unit/test_process_faults.py kills real workers."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
 from handlers.api.framing import native_framer
 from handlers.backends.base import SamplingParams
 from handlers.config import parse_config
+from handlers.engine import guardian as guardian_module
 from handlers.engine.board import Board, CountedWrites
 from handlers.engine.client import EngineClient, _Request
-from handlers.engine.guardian import Farewell, Guardian
+from handlers.engine.guardian import Farewell, GuardedWrites, Guardian
 from handlers.engine.messages import EngineRequest, StepOutputs
 from handlers.engine.scheduler import FinishEvent
 from handlers.engine.start import EngineSpec
+from handlers.torchserve import worker_service
 from handlers.torchserve.generation_handler import WORKER_DIED, _last_words
 from handlers.torchserve.worker_service import closing_message
-from tests.unit.test_worker_farewell import read_all
+from tests.unit.test_worker_farewell import read_all, started_stream
+from tests.unit.ts_frontend import decode, http_view
 
 CLOSING = closing_message(WORKER_DIED)
 
@@ -75,3 +79,114 @@ def test_a_guardian_told_to_stand_down_closes_the_socket_without_a_word() -> Non
     guardian.stand_down()
     data, eof_at = read_all(frontend)
     assert data == b"" and guardian.proc.returncode == 0 and eof_at - began < 5
+
+
+def test_an_exact_farewell_answers_every_request_read_and_not_yet_answered() -> None:
+    """Exact (the worker notes what it reads and each answer's last write): the requests
+    left are those read whose last write the board does not show written -- in the book or
+    not (an error answered without the engine: the whole 500) -- each answered on its own,
+    with no closing message; the socket stays open for a worker that takes it over."""
+    frontend, worker_end = socket.socketpair()
+    board = Board()
+    writes = CountedWrites(worker_end, board)
+    farewell = Farewell()
+    tails = worker_service.silent_tails(native_framer(False, "").error(500, WORKER_DIED))
+    farewell.arm(worker_end, CLOSING, board.writing, tails, board)
+    streamed = native_framer(True, "ndjson")
+    farewell.read(["spoke", "quiet", "unbooked", "done", "ending", "cancelled"])
+    for rid in ("spoke", "quiet", "done", "ending", "cancelled"):
+        farewell.expect(_last_words(rid, streamed))
+    farewell.sent([("spoke", "Once", 1), ("done", "Hi", 1), ("ending", "Yo", 1)],
+                  [("done", None), ("ending", None)])
+    farewell.forget("cancelled")  # its text may go out unnoted: the in-band words
+    farewell.final(["done"], 1)
+    writes.sendall(b"")  # write 1, whole: "done" is answered
+    farewell.final(["ending"], 2)  # write 2 never happened: the worker died before it
+    assert farewell.answer()
+    sock = farewell.hand_off()
+    assert sock is worker_end
+    sock.close()
+    data, _ = read_all(frontend)
+    predictions = decode(data)
+    assert not data.endswith(CLOSING)
+    assert [p.request_id for p in predictions] == [
+        "spoke", "spoke", "quiet", "quiet", "unbooked", "unbooked", "ending", "ending",
+        "cancelled", "cancelled"]
+    for rid in ("spoke", "ending"):
+        view = http_view(started_stream(rid) + [p for p in predictions if p.request_id == rid])
+        assert view.complete and view.forgotten and b"error" in view.body
+    for rid in ("quiet", "unbooked"):
+        view = http_view([p for p in predictions if p.request_id == rid])
+        assert view.status == 500 and view.framing == "content-length" and view.forgotten
+        assert json.loads(view.body)["error"]["message"] == WORKER_DIED
+    cancelled = http_view([p for p in predictions if p.request_id == "cancelled"])
+    assert cancelled.forgotten and cancelled.status == 500  # not started: a 500 head
+
+
+def test_an_exact_farewell_prunes_what_the_board_shows_written() -> None:
+    board = Board()
+    farewell = Farewell()
+    farewell.arm(socket.socketpair()[1], CLOSING, board.writing, (b"",), board)
+    for n in range(1, 101):
+        rid = f"r{n}"
+        farewell.read([rid])
+        farewell.expect(_last_words(rid, native_framer(True, "ndjson")))
+        farewell.final([rid], n)
+        board.cells[Board.WRITES] += 1
+        board.cells[Board.WRITTEN] += 1
+    assert len(farewell._read) <= 1 and len(farewell._words) <= 1  # nothing piles up
+
+
+def test_a_worker_that_died_inside_a_message_from_the_frontend_gets_the_closing_message(
+        ) -> None:
+    """The board's `reading`: the socket's next bytes are not a message's start, so the
+    guardian answers what it knows, then errors the rest and closes (no takeover)."""
+    frontend, worker_end = socket.socketpair()
+    board = Board()
+    writes = GuardedWrites(worker_end, board, Recording())
+    farewell = Farewell()
+    farewell.arm(worker_end, CLOSING, board.writing, (b"",), board)
+    writes.reading()
+    assert farewell.reading()
+    farewell.say()
+    data, _ = read_all(frontend)
+    assert data == CLOSING
+    writes.read(["a"])
+    assert not board.reading()
+
+
+class Recording:
+    """A Guardian's notes, kept (GuardedWrites' tests)."""
+
+    def __init__(self) -> None:
+        self.notes: list[tuple] = []
+
+    def read(self, request_ids: list[str]) -> None:
+        self.notes.append(("read", request_ids))
+
+    def final(self, request_ids: list[str], write: int) -> None:
+        self.notes.append(("final", request_ids, write))
+
+
+def test_guarded_writes_note_each_answers_last_write_by_its_number() -> None:
+    frontend, worker_end = socket.socketpair()
+    board = Board()
+    guardian = Recording()
+    writes = GuardedWrites(worker_end, board, guardian)
+    writes.sendall(b"a")
+    writes.sendall_final(b"b", ["r1", "r2"])
+    assert guardian.notes == [("final", ["r1", "r2"], 2)]
+    assert board.written == 2 and not board.writing()
+
+
+def test_workers_that_die_soon_after_taking_over_stop_the_takeovers() -> None:
+    """Each worker that took a socket over and died within SHORT_LIVED_S counts; after
+    MAX_SHORT_LIVED in a row the socket goes back to TorchServe, whose restart backs off."""
+    now = time.time()
+    first = {"serving_since": now - 5, "short_lived": -1}  # TorchServe's own worker
+    assert guardian_module.short_lived(first) == 0
+    chain = [guardian_module.short_lived({"serving_since": now - 5, "short_lived": n})
+             for n in range(3)]
+    assert chain == [1, 2, 3] and chain[-1] >= guardian_module.MAX_SHORT_LIVED
+    lived = {"serving_since": now - guardian_module.SHORT_LIVED_S - 1, "short_lived": 2}
+    assert guardian_module.short_lived(lived) == 0  # it served a while: the count restarts

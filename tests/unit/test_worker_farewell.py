@@ -28,6 +28,7 @@ from ts.context import Context, RequestProcessor
 
 from handlers.api.framing import native_framer
 from handlers.api.openai_framing import ResponseMeta, openai_framer
+from handlers.engine import guardian
 from handlers.engine.client import LAST_WORDS, EngineClient
 from handlers.engine.guardian import Farewell
 from handlers.engine.scheduler import FinishEvent, TextEvent
@@ -208,8 +209,9 @@ class HandedOver(EngineClient):
         self.cancel = lambda request_id: None
         self.down = None
 
-    def hand_over(self, sock, closing: bytes) -> None:
+    def hand_over(self, sock, closing: bytes, exact=None, takeover=None) -> None:
         self.handed.append((sock, closing))
+        self.exact, self.takeover = exact, takeover
 
 
 def test_the_handler_hands_the_socket_over_and_sends_words_with_each_request():
@@ -232,6 +234,8 @@ def test_the_handler_hands_the_socket_over_and_sends_words_with_each_request():
     engine = handler.service.engine = HandedOver()
     handler._hand_over(context.cl_socket)
     assert engine.handed == [(context.cl_socket, CLOSING)]
+    # exact: a request read and never booked gets the whole 500 (handlers/engine/guardian.py)
+    assert http_view(decode(guardian._message("x", engine.exact))).status == 500
     asyncio.run(handler.handle([{"body": {"prompt": "Hello", "stream": False}}], context))
     assert seen[1].request_id == "req-1" and seen[1].spoken is None
     assert LAST_WORDS.get() is None  # set for the submit call only
