@@ -12,7 +12,9 @@ same way with aiohttp, whose `iter_chunks` marks where each HTTP chunk ends.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -133,4 +135,14 @@ def test_ts_log_writes_each_line_once_and_little_per_request(server) -> None:
     lines = log.read_text(errors="replace").splitlines()
     twice = [a for a, b in zip(lines, lines[1:], strict=False) if a == b]
     assert not twice, f"{len(twice)} lines written twice, e.g. {twice[0]}"
-    assert "Python executable:" in log.read_text(errors="replace")  # the start-up banner stays
+    # the start-up banner stays (in the day's rolled file, where midnight UTC fell between)
+    assert any("Python executable:" in text for text in _with_rolled(log))
+
+
+def _with_rolled(log: Path) -> list[str]:
+    """The log's text, and that of the files log4j rolled it into at midnight UTC
+    (archive_tools/ts_logs.py: `<name>.%d{dd-MMM}.log.gz`)."""
+    texts = [log.read_text(errors="replace")]
+    for rolled in sorted(log.parent.glob(f"{log.stem}.*.log.gz")):
+        texts.append(gzip.decompress(rolled.read_bytes()).decode(errors="replace"))
+    return texts
