@@ -416,7 +416,7 @@ def redirect_logs(sock: socket.socket) -> str | None:
             return None
     path = os.path.join(location, "model_log.log")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # the frontend's: never made here
     except OSError:
         return None
     sys.stdout.flush()
@@ -425,6 +425,20 @@ def redirect_logs(sock: socket.socket) -> str | None:
     os.dup2(fd, 2)
     os.close(fd)
     return path
+
+
+def peer_closed(sock: socket.socket, timeout_s: float | None = 0.0) -> bool:
+    """Whether the frontend has closed its end (waiting up to `timeout_s`, None: for as
+    long as that takes): a worker that TorchServe stops is killed around the time its
+    socket closes, and no worker should take over, or keep loading, for a frontend that
+    is gone. POLLRDHUP fires on the peer's close only, not on data waiting to be read."""
+    rdhup = getattr(select, "POLLRDHUP", 0)
+    if not rdhup:  # not Linux: no way to tell without reading
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), rdhup)
+    events = poller.poll(None if timeout_s is None else int(timeout_s * 1000))
+    return any(mask & (rdhup | select.POLLHUP | select.POLLERR) for _, mask in events)
 
 
 def take_over(sock: socket.socket, takeover: dict[str, Any]) -> bool:
@@ -507,6 +521,7 @@ def main(argv: list[str]) -> None:
         elif kind == "stop":
             farewell.disarm()
             return
+    redirect_logs(frontend)  # the dead worker's pipes close any moment now
     if (takeover is None or not farewell.exact or farewell.reading()
             or short_lived(takeover) >= MAX_SHORT_LIVED):
         farewell.say()
@@ -516,7 +531,10 @@ def main(argv: list[str]) -> None:
     sock = farewell.hand_off()
     if sock is None:
         return
-    redirect_logs(sock)
+    if peer_closed(sock, 0.2):  # TorchServe stopping this worker: nobody to serve
+        logger.error("guardian %d: the frontend closed the dead worker's socket", os.getpid())
+        sock.close()
+        return
     if take_over(sock, takeover):
         sock.close()  # the new worker and its guardian hold their own
         return

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
+import threading
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -35,10 +37,23 @@ def main(argv: list[str]) -> None:
     fd, load = int(argv[0]), json.loads(argv[1])
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
+    threading.Thread(target=_end_with_frontend, args=(sock,), name="inf2serve-takeover-watch",
+                     daemon=True).start()
     error = serve(sock, load)
     logger.info("the worker that took the socket over ends: %s", error or "the frontend "
                 "closed its socket")
     sys.exit(1 if error else 0)
+
+
+def _end_with_frontend(sock: socket.socket) -> None:
+    """The frontend closed the socket (TorchServe stopping): end now, even inside a load
+    that may take minutes, as TorchServe's own worker would have been killed."""
+    from handlers.engine.guardian import peer_closed
+
+    if peer_closed(sock, None):
+        logger.info("the frontend closed the socket: the worker that took it over ends")
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def serve(sock: socket.socket, load: dict[str, Any]) -> str | None:

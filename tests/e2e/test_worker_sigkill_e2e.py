@@ -34,7 +34,7 @@ from tests.e2e._kill_helpers import (
     wait_for_workers,
 )
 from tests.e2e.harness import build_store, logs, running_server
-from tests.e2e.test_neuron_e2e import _env, _neuron_spec
+from tests.e2e.test_neuron_e2e import _env, _events, _neuron_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -49,7 +49,7 @@ def test_a_killed_or_stopped_worker_ends_every_request_and_comes_back_from_the_c
         sig, tiny_checkpoint, tmp_path_factory) -> None:
     root = tmp_path_factory.mktemp("worker-sigkill")
     name = "tiny-neuron-worker-kill"
-    worker = None
+    worker = successor = None
     store = build_store(root, tiny_checkpoint, [_neuron_spec(name, root)])
     with running_server(store, root / "run", [name], env=_env(root)) as server:
         try:
@@ -72,9 +72,12 @@ def test_a_killed_or_stopped_worker_ends_every_request_and_comes_back_from_the_c
                 assert "takeover" in " ".join(taken.cmdline())
                 assert_steady_traffic_survives_a_kill(server, root, name, taken)
                 assert "Received more than 1 control command" not in ts_log(server.run_dir)
+                successor = psutil.Process(_events(root, 3)[-1]["pid"]).parent()
         except (AssertionError, httpx.HTTPError, TimeoutError):
             print(logs(server.run_dir))
             raise
         finally:
             if worker is not None and worker.is_running():  # never leave a stopped process
                 worker.kill()
+    if successor is not None:  # TorchServe stopped: the worker that took over ends with it
+        successor.wait(10)

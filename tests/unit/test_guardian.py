@@ -190,3 +190,14 @@ def test_workers_that_die_soon_after_taking_over_stop_the_takeovers() -> None:
     assert chain == [1, 2, 3] and chain[-1] >= guardian_module.MAX_SHORT_LIVED
     lived = {"serving_since": now - guardian_module.SHORT_LIVED_S - 1, "short_lived": 2}
     assert guardian_module.short_lived(lived) == 0  # it served a while: the count restarts
+
+
+def test_the_frontends_close_is_told_apart_from_data_waiting() -> None:
+    """A worker that TorchServe stops may die before its socket closes: no worker takes a
+    socket over for a frontend that is gone, or keeps loading for one."""
+    ours, frontend = socket.socketpair()
+    frontend.sendall(b"a request")  # data waiting is not a close
+    assert not guardian_module.peer_closed(ours, 0.05)
+    frontend.close()
+    assert guardian_module.peer_closed(ours, 1.0)
+    ours.close()
