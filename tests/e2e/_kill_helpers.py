@@ -285,14 +285,14 @@ PACE_S, TRAFFIC_S, KILL_AT_S = 0.1, 8.0, 1.0
 
 def assert_steady_traffic_survives_a_kill(server: serve.Server, root: Path, name: str,
                                           worker: psutil.Process) -> list[Outcome]:
-    """Requests keep arriving (one every PACE_S) and `worker` gets SIGKILL among them: every
-    request ends -- a 200, or the 500 of a request the dead worker had -- none hangs or is
-    dropped, and requests sent a load's time after the kill succeed again. TorchServe 0.12
-    restarting the worker under such traffic lost requests and never got the model back
-    (docs/design.md, "A TorchServe worker that dies"); the guardian's takeover does not
-    restart it. The outcomes, in the order sent."""
+    """Requests keep arriving (one every PACE_S, each long enough that some are in flight)
+    and `worker` gets SIGKILL among them: every request ends -- a 200, or the 500 of a
+    request the dead worker had -- none hangs or is dropped, and requests sent a load's time
+    after the kill succeed again. TorchServe 0.12 restarting the worker under such traffic
+    lost requests and never got the model back (docs/design.md, "A TorchServe worker that
+    dies"); the guardian's takeover does not restart it. The outcomes, in the order sent."""
     path, body = calls(name)["non-streamed"]
-    body = {**body, "max_new_tokens": 8, "min_new_tokens": 8}
+    body = {**body, "max_new_tokens": 48, "min_new_tokens": 48}  # a few in flight at the kill
     started = threading.Event()
     futures, sent_at = [], []
     began = time.monotonic()
