@@ -489,6 +489,17 @@ def signal_ready() -> None:
         logger.exception("telling the old guardian that this worker serves failed")
 
 
+def _no_takeover(farewell: Farewell, takeover: dict[str, Any] | None) -> str:
+    """Why the socket must go back to TorchServe, or "" (a worker may take it over)."""
+    if takeover is None or not farewell.exact:
+        return "this worker did not note what it read"
+    if farewell.reading():
+        return "it died inside a message from the frontend"
+    if (n := short_lived(takeover)) >= MAX_SHORT_LIVED:
+        return f"{n} workers in a row died within {SHORT_LIVED_S:.0f} s of taking over"
+    return ""
+
+
 def main(argv: list[str]) -> None:
     """The guardian process: notes until the worker's pipe closes, then the farewell."""
     logging.basicConfig(stream=sys.stdout, format="%(message)s", level=logging.INFO)
@@ -522,8 +533,11 @@ def main(argv: list[str]) -> None:
             farewell.disarm()
             return
     redirect_logs(frontend)  # the dead worker's pipes close any moment now
-    if (takeover is None or not farewell.exact or farewell.reading()
-            or short_lived(takeover) >= MAX_SHORT_LIVED):
+    why = _no_takeover(farewell, takeover)
+    if why:
+        if takeover is not None:
+            logger.error("guardian %d: no worker takes the socket over (%s): closing it, for "
+                         "TorchServe to restart the worker", os.getpid(), why)
         farewell.say()
         return
     if not farewell.answer():  # torn, or the frontend is gone
