@@ -453,6 +453,7 @@ def takeover_params(context: Any) -> dict[str, Any] | None:
                 "gpu": props.get("gpu_id"), "batch_size": props.get("batch_size"),
                 "limit_max_image_pixels": props.get("limit_max_image_pixels", True),
                 "metrics_config": metrics_config, "timeout_s": timeout_s,
+                "worker_id": worker_id(),
                 "serving_since": time.time(), "short_lived": int(
                     os.environ.get(guardian.SHORT_LIVED_ENV, -1))}
     except (AttributeError, KeyError, TypeError, ValueError):

@@ -81,10 +81,17 @@ class Histogram:
         return out
 
 
+#: a worker that took a dead one's socket over is that worker (handlers/torchserve/takeover.py)
+WORKER_ID_ENV = "INF2SERVE_WORKER_ID"
+
+
 def worker_id(argv: Sequence[str] | None = None) -> str:
     """The TorchServe worker's port (`--sock-name .../.ts.sock.9000` or `--port 9000`), which
-    a restarted worker keeps (WorkerLifeCycle.java:169-172, WorkerThread.java:540-555);
-    the process id where there is none."""
+    a restarted worker keeps (WorkerLifeCycle.java:169-172, WorkerThread.java:540-555), or
+    the one a worker that took the socket over was given (WORKER_ID_ENV); the process id
+    where there is none."""
+    if argv is None and os.environ.get(WORKER_ID_ENV):
+        return os.environ[WORKER_ID_ENV]
     argv = sys.argv if argv is None else argv
     for flag, value in zip(argv, argv[1:], strict=False):
         if flag in ("--sock-name", "--port"):

@@ -28,6 +28,8 @@ import sys
 import threading
 from typing import Any
 
+from handlers.torchserve.metrics import WORKER_ID_ENV
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,6 +37,8 @@ def main(argv: list[str]) -> None:
     """argv: the socket's fd, then the load's arguments as JSON (guardian.take_over)."""
     logging.basicConfig(stream=sys.stdout, format="%(message)s", level=logging.INFO)
     fd, load = int(argv[0]), json.loads(argv[1])
+    # the dead worker's id: its metrics files and series go on, as a restarted worker's do
+    os.environ[WORKER_ID_ENV] = str(load.get("worker_id") or "")
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     threading.Thread(target=_end_with_frontend, args=(sock,), name="inf2serve-takeover-watch",

@@ -73,6 +73,9 @@ def test_a_killed_or_stopped_worker_ends_every_request_and_comes_back_from_the_c
                 assert_steady_traffic_survives_a_kill(server, root, name, taken)
                 assert "Received more than 1 control command" not in ts_log(server.run_dir)
                 successor = psutil.Process(_events(root, 3)[-1]["pid"]).parent()
+                # the workers that took over kept the dead one's id: one set of metric files
+                ids = {f.stem.rsplit("_", 1)[-1] for f in (server.run_dir / "metrics").glob("*.db")}
+                assert len(ids) == 1, ids
         except (AssertionError, httpx.HTTPError, TimeoutError):
             print(logs(server.run_dir))
             raise

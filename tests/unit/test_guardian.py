@@ -6,6 +6,7 @@ farewell says; tests/unit/test_process_faults.py kills real workers."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
@@ -201,3 +202,15 @@ def test_the_frontends_close_is_told_apart_from_data_waiting() -> None:
     frontend.close()
     assert guardian_module.peer_closed(ours, 1.0)
     ours.close()
+
+
+def test_a_worker_that_took_over_keeps_the_dead_workers_id(monkeypatch) -> None:
+    """Its metric files and series are the dead worker's (handlers/torchserve/metrics.py)."""
+    from handlers.torchserve import metrics
+
+    monkeypatch.setattr("sys.argv", ["-c", "/root", "7", "{}"])  # takeover.py's argv
+    monkeypatch.delenv(metrics.WORKER_ID_ENV, raising=False)
+    assert metrics.worker_id() == str(os.getpid())
+    monkeypatch.setenv(metrics.WORKER_ID_ENV, "9000")
+    assert metrics.worker_id() == "9000"
+    assert metrics.worker_id(["--sock-name", "/tmp/.ts.sock.9001"]) == "9001"
