@@ -163,9 +163,6 @@ class Farewell:
             if self._sock is not None:
                 self._words[words.request_id] = words
 
-    def holds_requests(self) -> bool:
-        return self._sock is not None and bool(self._words or self._read)
-
     def forget(self, request_id: str) -> None:
         with self._lock:
             if self._exact is not None:  # the worker ends it: whether its text went out
