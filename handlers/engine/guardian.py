@@ -218,7 +218,7 @@ class Farewell:
             for rid in pending:
                 w = self._words.get(rid)
                 if w is None:
-                    answers.append(_message(rid, self._exact or ()))
+                    answers.append(one_request_message(rid, self._exact or ()))
                 else:
                     answers.append(w.spoken if w.spoken is not None and rid in spoken
                                    else w.silent)
@@ -266,9 +266,10 @@ class Farewell:
         return sock
 
 
-def _message(request_id: str, tails: tuple[bytes, ...]) -> bytes:
-    """A code-200 message of `tails`' predictions for one request (worker_service._message's
-    layout: the request id goes in front of each prediction)."""
+def one_request_message(request_id: str, tails: Iterable[bytes]) -> bytes:
+    """A code-200 message of `tails`' predictions for one request: the request id goes in
+    front of each (TorchServe's layout, ts/protocol/otf_message_handler.py:56-155; the
+    tails from worker_service._prediction_tail)."""
     rid = request_id.encode("utf-8")
     head = struct.pack("!i", len(rid)) + rid
     return b"".join([struct.pack("!ii", 200, 0), *(head + t for t in tails),

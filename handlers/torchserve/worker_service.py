@@ -33,7 +33,6 @@ import asyncio
 import copy
 import functools
 import logging
-import struct
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from handlers.engine.guardian import one_request_message
 from handlers.engine.messages import LastWords
 
 logger = logging.getLogger(__name__)
@@ -249,14 +249,6 @@ def _prediction_tail(content_type: str, status: int, stream_next: str | None,
     return None if msg is None else bytes(msg[12:-4])
 
 
-def _message(request_id: str, tails: list[bytes]) -> bytes:
-    """A code-200 message of the predictions `tails` for one request."""
-    rid = request_id.encode("utf-8")
-    head = struct.pack("!i", len(rid)) + rid
-    return b"".join([struct.pack("!ii", 200, 0), *(head + t for t in tails),
-                     struct.pack("!i", -1)])
-
-
 def last_words(request_id: str, content_type: str, whole: str,
                in_stream: str | None) -> LastWords | None:
     """What the engine process writes to the frontend for this request if the worker dies.
@@ -275,9 +267,9 @@ def last_words(request_id: str, content_type: str, whole: str,
         return None
     spoken = None
     if in_stream is not None:
-        spoken = _message(request_id, [_prediction_tail(content_type, 500, "true", ""),
+        spoken = one_request_message(request_id, [_prediction_tail(content_type, 500, "true", ""),
                                        _prediction_tail(content_type, 500, "false", in_stream)])
-    return LastWords(request_id, _message(request_id, [whole_tail, end]), spoken)
+    return LastWords(request_id, one_request_message(request_id, [whole_tail, end]), spoken)
 
 
 def silent_tails(whole: str) -> tuple[bytes, ...] | None:

@@ -235,7 +235,7 @@ def test_the_handler_hands_the_socket_over_and_sends_words_with_each_request():
     handler._hand_over(context.cl_socket)
     assert engine.handed == [(context.cl_socket, CLOSING)]
     # exact: a request read and never booked gets the whole 500 (handlers/engine/guardian.py)
-    assert http_view(decode(guardian._message("x", engine.exact))).status == 500
+    assert http_view(decode(guardian.one_request_message("x", engine.exact))).status == 500
     asyncio.run(handler.handle([{"body": {"prompt": "Hello", "stream": False}}], context))
     assert seen[1].request_id == "req-1" and seen[1].spoken is None
     assert LAST_WORDS.get() is None  # set for the submit call only
