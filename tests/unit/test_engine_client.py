@@ -313,7 +313,9 @@ def test_the_engine_process_exits_when_the_worker_dies(tmp_path):
 
         if __name__ == "__main__":
             client = start(Path({str(tmp_path)!r}))
-            Path({str(pid_file)!r}).write_text(str(client.pid))
+            # whole or absent: the test may look between the open and the write
+            Path({str(pid_file)!r} + ".tmp").write_text(str(client.pid))
+            Path({str(pid_file)!r} + ".tmp").rename({str(pid_file)!r})
             time.sleep(600)
     """))
     worker = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL)
