@@ -101,9 +101,13 @@ HOST_SAMPLING_REQUESTS: dict[str, GenParams] = {
 #: (variants suffixed "-neuron")
 HOST_SAMPLING_LAYOUTS = ("nxdi", "neuron")
 #: the host-sampling cells' requests, by variant: each request against each layout
+#: the floor of each layout (handler.synthetic.host_sampling_floor): the host reads the
+#: logits once and samples nothing, the least an exact host sampler can pay (issue 40)
+FLOOR = "floor"
 HOST_SAMPLING_PARAMS: dict[str, GenParams] = {
     f"{v}{'' if layout == 'nxdi' else '-' + layout}": p
-    for layout in HOST_SAMPLING_LAYOUTS for v, p in HOST_SAMPLING_REQUESTS.items()}
+    for layout in HOST_SAMPLING_LAYOUTS
+    for v, p in {**HOST_SAMPLING_REQUESTS, FLOOR: HOST_SAMPLING_REQUESTS["greedy"]}.items()}
 
 
 def label(step_ms: float) -> str:
@@ -114,10 +118,15 @@ def host_sampling_layout(variant: str) -> str:
     return next((x for x in HOST_SAMPLING_LAYOUTS if variant.endswith(f"-{x}")), "nxdi")
 
 
-def host_sampling_model(layout: str = "nxdi") -> str:
-    """The host-sampling archive of a layout; every one starts with the nxdi one's name."""
+def host_sampling_floor(variant: str) -> bool:
+    return variant.split("-")[0] == FLOOR
+
+
+def host_sampling_model(layout: str = "nxdi", floor: bool = False) -> str:
+    """The host-sampling archive of a layout (its floor's: `floor`); every one starts with
+    the nxdi one's name."""
     return f"{label(HOST_SAMPLING_STEP_MS)}-hs{HOST_SAMPLING_VOCAB}" + (
-        "" if layout == "nxdi" else f"-{layout}")
+        "" if layout == "nxdi" else f"-{layout}") + ("-floor" if floor else "")
 
 
 def host_sampling_label(variant: str) -> str:
@@ -135,13 +144,14 @@ def synthetic_checkpoint(source: Path, dest: Path) -> Path:
 
 
 def archive(step_ms: float, threads: int, host_sampling_vocab: int = 0,
-            layout: str = "nxdi") -> ArchiveSpec:
+            layout: str = "nxdi", floor: bool = False) -> ArchiveSpec:
     synthetic = {"decode_step_ms": step_ms, "decode_ms_per_row": 0, "prefill_ms": [0]}
     name = label(step_ms)
     if host_sampling_vocab:
         synthetic["host_sampling_vocab"] = host_sampling_vocab
         synthetic["host_sampling_logits"] = layout
-        name = host_sampling_model(layout)
+        synthetic["host_sampling_floor"] = floor
+        name = host_sampling_model(layout, floor)
     return ArchiveSpec(name, fmt="no-archive", handler={
         "backend": "synthetic", "batching": "continuous", "batch_size": BATCH,
         "max_length": 1024, "max_new_tokens_limit": 512, "max_queue": 256, "threads": threads,
@@ -348,8 +358,8 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
     ckpt = synthetic_checkpoint(checkpoint, work / "synthetic-ckpt")
     specs = [archive(s, threads) for s in steps_ms]
     if variants:
-        specs += [archive(HOST_SAMPLING_STEP_MS, threads, HOST_SAMPLING_VOCAB, layout)
-                  for layout in HOST_SAMPLING_LAYOUTS]
+        specs += [archive(HOST_SAMPLING_STEP_MS, threads, HOST_SAMPLING_VOCAB, layout, floor)
+                  for layout in HOST_SAMPLING_LAYOUTS for floor in (False, True)]
     specs += [preset_archive(p, threads) for p in presets]
     specs += [speculation_archive(sp, threads) for sp in speculation]
     if cells in ("all", "metrics"):  # two servers of their own, before this one starts
@@ -372,7 +382,8 @@ def run(checkpoint: Path, work: Path, prompts: list[str], threads: int, rounds: 
                         test_jvm=False) as server:
         urls = {s: f"{server.inference_url}/predictions/{label(s)}" for s in steps_ms}
         hs_urls = {v: f"{server.inference_url}/predictions/"
-                      f"{host_sampling_model(host_sampling_layout(v))}" for v in variants}
+                      f"{host_sampling_model(host_sampling_layout(v), host_sampling_floor(v))}"
+                   for v in variants}
         preset_urls = {p: f"{server.inference_url}/predictions/preset-{p}" for p in presets}
         spec_urls = {sp: f"{server.inference_url}/predictions/spec-{'on' if sp else 'off'}"
                      for sp in speculation}
@@ -553,7 +564,10 @@ def _host_sampling_table(dev: DeviceBound) -> list[str]:
             "transformers-neuronx's bf16 [vocab, 1, rows] viewed transposed (cast_logits_dtype "
             f"bf16). {HOST_SAMPLING_STREAMS} streams, "
             f"{HOST_SAMPLING_STEP_MS:g} ms steps; greedy requests, and sampled ones "
-            f"(temperature {sampled.temperature:g}, top_p {sampled.top_p:g}, no seed). Median "
+            f"(temperature {sampled.temperature:g}, top_p {sampled.top_p:g}, no seed); "
+            f"`{FLOOR}` cells sample nothing: the host reads the logits once "
+            "(`host_sampling_floor`, numpy's max over the buffer), the least any exact host "
+            "sampler pays, each layout's floor for its cells. Median "
             f"of {dev.rounds} rounds, the two alternating (per-round values in bench.json "
             "meta.device_bound.host_sampling). The reference is the table's cell of the same "
             "step and streams without host sampling, run in the same rounds.", "",

@@ -189,6 +189,10 @@ class SyntheticSettings:
             "vocab], contiguous (cast on the device); neuron = transformers-neuronx's, the "
             "device's bf16 [vocab, 1, rows], viewed transposed (kept bf16, as the neuron "
             "backend asks: cast_logits_dtype)")
+    host_sampling_floor: bool = _opt(
+        False, doc="bench: instead of sampling, the host reads the logits once (numpy's max over "
+                   "the whole buffer, the fastest whole read) and keeps the synthetic tokens: "
+                   "the least any exact host sampler pays, which every logit can change")
 
 
 @dataclass(frozen=True)

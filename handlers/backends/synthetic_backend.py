@@ -233,7 +233,8 @@ class SyntheticBackend(Backend):
                 raise ConfigError("handler.synthetic.host_sampling_vocab: host sampling with "
                                   "speculation_length is not modelled; set one of them to 0")
             self._host = HostSampling(self.batch_size, host_vocab, self.eos_token_ids,
-                                      layout=config.synthetic.host_sampling_logits)
+                                      layout=config.synthetic.host_sampling_logits,
+                                      read_once=config.synthetic.host_sampling_floor)
             from handlers.backends.synthetic_grammar import GrammarSteer, json_ids
             from handlers.structured.masks import SlotGrammars
 

@@ -40,16 +40,24 @@ class HostSampling:
     request may ask (repetition <= 10, frequency and presence >= -2 over <= 512 tokens) by
     >= 9e4, so even at temperature 100 every other token's probability is exactly 0 in
     float32.
+
+
+    With `read_once` (handler.synthetic.host_sampling_floor) the host samples nothing: it
+    reads the logits once, as numpy's max over the whole buffer (contiguous, the fastest read
+    of every value), and keeps the synthetic tokens. An exact sampler must read every logit
+    of its rows (any one can be the best), so what this costs a step is the least any exact
+    host sampler over these logits can cost: the floor its cells are measured against.
     """
 
     SPIKE = 1e6
 
     def __init__(self, rows: int, vocab: int, eos_ids: frozenset[int], seed: int = 0,
-                 layout: str = "nxdi") -> None:
+                 layout: str = "nxdi", read_once: bool = False) -> None:
         import torch
 
         generator = torch.Generator().manual_seed(seed)
         self.layout = layout
+        self.read_once = read_once
         if layout == "neuron":  # [vocab, 1, rows], the device's dtype
             self.logits = (torch.randn(vocab, 1, rows, generator=generator) * 2).bfloat16()
         else:  # [rows, vocab]
@@ -99,6 +107,9 @@ class HostSampling:
         lines = list(range(n)) if lines is None else list(lines)
         if self._emitted != (list(tokens), lines):
             self.emit(tokens, lines)
+        if self.read_once:
+            self._read(n)
+            return list(tokens)
         with torch.inference_mode():
             if self.layout == "neuron":
                 chosen = self._pick_neuron(samplers, masks, lines)
@@ -108,6 +119,17 @@ class HostSampling:
             raise RuntimeError(f"host sampling chose {chosen} where the synthetic model has "
                                f"{tokens}")
         return chosen
+
+    def _read(self, n: int) -> None:
+        """One read of every logit the sampler would read: the first n rows (nxdi), or the
+        device's whole buffer, every compiled line (neuron: a row is a strided column of it,
+        so a read of its rows alone touches every cache line anyway)."""
+        import torch
+
+        if self.layout == "neuron":
+            self.logits.view(torch.int16).numpy().max()
+        else:
+            self.logits[:n].numpy().max()
 
     def _pick_neuron(self, samplers: Sequence[Any], masks: Any, lines: list[int]
                      ) -> list[int]:

@@ -330,10 +330,11 @@ HOST_VOCAB = 4096  # above the tiny checkpoint's 1,024 ids; blocks and a remaind
 
 
 def _host(ckpt: Path, tok, clock: FakeClock | None = None, vocab: int = HOST_VOCAB,
-          layout: str = "nxdi", **kw) -> SyntheticBackend:
+          layout: str = "nxdi", floor: bool = False, **kw) -> SyntheticBackend:
     return _backend(ckpt, tok, clock, synthetic={"decode_step_ms": 10,
                                                  "host_sampling_vocab": vocab,
-                                                 "host_sampling_logits": layout}, **kw)
+                                                 "host_sampling_logits": layout,
+                                                 "host_sampling_floor": floor}, **kw)
 
 
 @pytest.mark.parametrize("params", [
@@ -351,6 +352,27 @@ def test_host_sampling_keeps_the_synthetic_tokens(tiny_checkpoint, tokenizer, pa
     assert int((host._host.logits != before).sum()) == 1
     host._host._restore()
     assert torch.equal(host._host.logits, before)
+
+
+@pytest.mark.parametrize("layout", ["nxdi", "neuron"])
+def test_the_host_sampling_floor_reads_the_logits_and_samples_nothing(
+        tiny_checkpoint, tokenizer, layout, monkeypatch):
+    """host_sampling_floor: the bench's floor cell reads the logits once per call, keeps the
+    synthetic tokens and never calls the sampler."""
+    from handlers.backends import sampling
+
+    def no_sampler(*a, **k):
+        raise AssertionError("the floor sampled")
+
+    prompt = [5, 6, 7]
+    want = _run(_backend(tiny_checkpoint, tokenizer), 0, prompt, 12)
+    host = _host(tiny_checkpoint, tokenizer, layout=layout, floor=True)
+    monkeypatch.setattr(sampling, "sample_rows", no_sampler)
+    reads = []
+    read = host._host._read
+    host._host._read = lambda n: (reads.append(n), read(n))[1]
+    assert _run(host, 0, prompt, 12) == want
+    assert reads == [1] * 12  # the prefill's call and 11 decodes, one row each
 
 
 def test_host_sampling_of_unseeded_rows_in_a_full_batch(tiny_checkpoint, tokenizer):
