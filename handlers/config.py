@@ -258,6 +258,12 @@ class HandlerConfig:
         doc="who runs TorchServe's async protocol in the worker: inf2serve's service "
             "(handlers/torchserve/worker_service.py: one writer to the socket, ~1 ms less CPU per "
             "request) or TorchServe's own AsyncService")
+    worker_takeover: bool = _opt(
+        True, doc="a worker that dies is replaced on its own socket by a new worker, which the "
+                  "guardian starts once it has answered the dead one's requests (docs/design.md); "
+                  "false: the guardian answers them and closes the socket, and TorchServe "
+                  "restarts the worker (requests sent meanwhile may go unanswered). "
+                  "worker_service inf2serve and engine_process child only")
     chat_template: str = _opt("", doc="OpenAI chat: preset (llama-2), inline Jinja or a file in "
                                       "the checkpoint dir; empty = the tokenizer's template")
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)

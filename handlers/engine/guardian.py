@@ -489,8 +489,10 @@ def signal_ready() -> None:
 
 def _no_takeover(farewell: Farewell, takeover: dict[str, Any] | None) -> str:
     """Why the socket must go back to TorchServe, or "" (a worker may take it over)."""
-    if takeover is None or not farewell.exact:
+    if not farewell.exact:
         return "this worker did not note what it read"
+    if takeover is None:
+        return "handler.worker_takeover is false, or this is not a TorchServe worker"
     if farewell.reading():
         return "it died inside a message from the frontend"
     if (n := short_lived(takeover)) >= MAX_SHORT_LIVED:
@@ -533,7 +535,7 @@ def main(argv: list[str]) -> None:
     redirect_logs(frontend)  # the dead worker's pipes close any moment now
     why = _no_takeover(farewell, takeover)
     if why:
-        if takeover is not None:
+        if farewell.exact:
             logger.error("guardian %d: no worker takes the socket over (%s): closing it, for "
                          "TorchServe to restart the worker", os.getpid(), why)
         farewell.say()

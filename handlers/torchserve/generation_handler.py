@@ -278,7 +278,7 @@ class GenerationHandler:
             make_backend=partial(_subclass_backend, type(self), config, model_dir)
             if overridden else None)
         self._peers = CancelPeers.open(model_dir, self.service.cancel_client)
-        self._takeover = takeover_params(context)
+        self._takeover = takeover_params(context, config.handler.worker_takeover)
         self.initialized = True
 
     def make_backend(self, config: ModelConfig, model_dir: Path) -> Backend | None:
@@ -439,10 +439,13 @@ def _subclass_backend(cls: type[GenerationHandler], config: ModelConfig,
     return cls().make_backend(config, model_dir)
 
 
-def takeover_params(context: Any) -> dict[str, Any] | None:
+def takeover_params(context: Any, enabled: bool = True) -> dict[str, Any] | None:
     """What TorchServe's load request gave this worker (ts/model_service_worker.py:84-160),
     for a worker that takes its socket over (handlers/torchserve/takeover.py); None where
-    the context lacks any of it (not a TorchServe worker's)."""
+    the context lacks any of it (not a TorchServe worker's) or the config turned the
+    takeover off (handler.worker_takeover false: TorchServe restarts the worker)."""
+    if not enabled:
+        return None
     try:
         props, model = context.system_properties, context.manifest["model"]
         metrics_config = context.metrics.config_file_path

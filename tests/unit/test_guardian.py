@@ -193,6 +193,19 @@ def test_workers_that_die_soon_after_taking_over_stop_the_takeovers() -> None:
     assert guardian_module.short_lived(lived) == 0  # it served a while: the count restarts
 
 
+def test_the_socket_goes_back_to_torchserve_where_no_worker_may_take_it_over() -> None:
+    """Why the guardian closes the socket for TorchServe's restart instead of a takeover."""
+    takeover = {"serving_since": time.time() - 100, "short_lived": -1}
+    farewell = Farewell()
+    assert "did not note" in guardian_module._no_takeover(farewell, takeover)  # not exact
+    board = Board()
+    farewell.arm(socket.socketpair()[1], CLOSING, board.writing, (b"",), board)
+    assert guardian_module._no_takeover(farewell, takeover) == ""
+    assert "worker_takeover" in guardian_module._no_takeover(farewell, None)  # turned off
+    board.cells[Board.READING] = 1.0
+    assert "inside a message" in guardian_module._no_takeover(farewell, takeover)
+
+
 def test_the_frontends_close_is_told_apart_from_data_waiting() -> None:
     """A worker that TorchServe stops may die before its socket closes: no worker takes a
     socket over for a frontend that is gone, or keeps loading for one."""

@@ -241,6 +241,22 @@ def test_the_handler_hands_the_socket_over_and_sends_words_with_each_request():
     assert LAST_WORDS.get() is None  # set for the submit call only
 
 
+def test_the_takeover_gets_the_load_requests_arguments_unless_the_config_turns_it_off():
+    """handler.worker_takeover false: no takeover params, so the guardian answers and closes
+    the socket for TorchServe to restart the worker (handlers/engine/guardian.py)."""
+    from handlers.torchserve.generation_handler import takeover_params
+
+    context = Context("tiny", "/m", {"model": {"handler": "h.py"}}, 1, None, "0.12.0",
+                      metrics=types.SimpleNamespace(config_file_path="/c.yaml"),
+                      model_yaml_config={"startupTimeout": 30})
+    params = takeover_params(context)
+    assert params is not None
+    assert (params["model_name"], params["model_dir"], params["handler"]) == ("tiny", "/m", "h.py")
+    assert (params["timeout_s"], params["metrics_config"]) == (30.0, "/c.yaml")
+    assert takeover_params(context, enabled=False) is None
+    assert takeover_params(object()) is None  # not a TorchServe worker's context
+
+
 def test_an_inline_engine_gets_no_socket():
     handler = GenerationHandler()
     handler.service = FakeService([])
