@@ -382,9 +382,13 @@ _TAKEOVER_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
 READY_FD_ENV = "INF2SERVE_TAKEOVER_READY_FD"
 #: ... and the one counting the workers in a row that died soon after taking over
 SHORT_LIVED_ENV = "INF2SERVE_TAKEOVER_SHORT_LIVED"
-#: a worker that took over and died within this many seconds counts as short-lived; after
-#: MAX_SHORT_LIVED of them in a row the socket goes back to TorchServe (its restart backs off)
-SHORT_LIVED_S, MAX_SHORT_LIVED = 60.0, 3
+#: a worker that took over and died within SHORT_LIVED_S counts as short-lived; from the
+#: MAX_SHORT_LIVED-th of them in a row on, the next one starts after a wait that doubles
+#: from 1 s up to BACKOFF_CAP_S (`backoff_s`). TorchServe backs off its own restarts too
+#: (pytorch/serve@v0.12.0:frontend/server/src/main/java/org/pytorch/serve/wlm/
+#: WorkerThread.java:51-53, 540-555), but a socket handed back to it under traffic never
+#: served again (docs/design.md), so a crash loop stays with the guardian
+SHORT_LIVED_S, MAX_SHORT_LIVED, BACKOFF_CAP_S = 60.0, 3, 30.0
 
 
 def short_lived(takeover: dict[str, Any]) -> int:
@@ -393,6 +397,15 @@ def short_lived(takeover: dict[str, Any]) -> int:
     if time.time() - float(takeover.get("serving_since", 0.0)) >= SHORT_LIVED_S:
         return 0
     return int(takeover.get("short_lived", -1)) + 1
+
+
+def backoff_s(short: int) -> float:
+    """How long to wait before a worker takes over from the `short`-th short-lived worker
+    in a row (`short_lived`): requests sent meanwhile wait on the socket, as they do while
+    a worker loads, so the wait is capped at BACKOFF_CAP_S."""
+    if short < MAX_SHORT_LIVED:
+        return 0.0
+    return min(BACKOFF_CAP_S, 2.0 ** (short - MAX_SHORT_LIVED))
 
 
 def redirect_logs(sock: socket.socket) -> str | None:
@@ -495,8 +508,6 @@ def _no_takeover(farewell: Farewell, takeover: dict[str, Any] | None) -> str:
         return "handler.worker_takeover is false, or this is not a TorchServe worker"
     if farewell.reading():
         return "it died inside a message from the frontend"
-    if (n := short_lived(takeover)) >= MAX_SHORT_LIVED:
-        return f"{n} workers in a row died within {SHORT_LIVED_S:.0f} s of taking over"
     return ""
 
 
@@ -545,7 +556,11 @@ def main(argv: list[str]) -> None:
     sock = farewell.hand_off()
     if sock is None:
         return
-    if peer_closed(sock, 0.2):  # TorchServe stopping this worker: nobody to serve
+    wait = backoff_s(short := short_lived(takeover))
+    if wait:
+        logger.error("guardian %d: %d workers in a row died within %.0f s of taking over: the "
+                     "next one starts in %.0f s", os.getpid(), short, SHORT_LIVED_S, wait)
+    if peer_closed(sock, max(wait, 0.2)):  # TorchServe stopping this worker: nobody to serve
         logger.error("guardian %d: the frontend closed the dead worker's socket", os.getpid())
         sock.close()
         return

@@ -180,17 +180,21 @@ def test_guarded_writes_note_each_answers_last_write_by_its_number() -> None:
     assert board.written == 2 and not board.writing()
 
 
-def test_workers_that_die_soon_after_taking_over_stop_the_takeovers() -> None:
-    """Each worker that took a socket over and died within SHORT_LIVED_S counts; after
-    MAX_SHORT_LIVED in a row the socket goes back to TorchServe, whose restart backs off."""
+def test_workers_that_die_soon_after_taking_over_back_the_takeovers_off() -> None:
+    """Each worker that took a socket over and died within SHORT_LIVED_S counts; from the
+    MAX_SHORT_LIVED-th in a row on, the next takeover waits, doubling up to BACKOFF_CAP_S
+    (the socket never goes back to TorchServe for it)."""
     now = time.time()
     first = {"serving_since": now - 5, "short_lived": -1}  # TorchServe's own worker
     assert guardian_module.short_lived(first) == 0
     chain = [guardian_module.short_lived({"serving_since": now - 5, "short_lived": n})
-             for n in range(3)]
-    assert chain == [1, 2, 3] and chain[-1] >= guardian_module.MAX_SHORT_LIVED
-    lived = {"serving_since": now - guardian_module.SHORT_LIVED_S - 1, "short_lived": 2}
+             for n in range(8)]
+    assert chain == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [guardian_module.backoff_s(n) for n in [0, *chain]] == [
+        0, 0, 0, 1, 2, 4, 8, 16, guardian_module.BACKOFF_CAP_S]
+    lived = {"serving_since": now - guardian_module.SHORT_LIVED_S - 1, "short_lived": 7}
     assert guardian_module.short_lived(lived) == 0  # it served a while: the count restarts
+    assert guardian_module.backoff_s(guardian_module.short_lived(lived)) == 0
 
 
 def test_the_socket_goes_back_to_torchserve_where_no_worker_may_take_it_over() -> None:
