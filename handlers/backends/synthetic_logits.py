@@ -41,7 +41,6 @@ class HostSampling:
     >= 9e4, so even at temperature 100 every other token's probability is exactly 0 in
     float32.
 
-
     With `read_once` (handler.synthetic.host_sampling_floor) the host samples nothing: it
     reads the logits once, as numpy's max over the whole buffer (contiguous, the fastest read
     of every value), and keeps the synthetic tokens. An exact sampler must read every logit

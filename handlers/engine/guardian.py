@@ -27,7 +27,9 @@ Nor does it leave the frontend to restart the worker, which TorchServe 0.12 does
 under traffic (docs/design.md): where the worker noted every message it read and every
 answer's last write (`GuardedWrites`), the guardian answers exactly the requests left
 unanswered and starts a worker that takes the socket over (`take_over`, handlers/
-torchserve/takeover.py), closing it only where it cannot know the socket's state.
+torchserve/takeover.py), after a wait that grows in a crash loop (`backoff_s`). It closes
+the socket only where it cannot know the socket's state, where the new worker does not
+load, or where handler.worker_takeover is false.
 
 Standard library only (started as `python -I -S`): tens of milliseconds and a few MB.
 """
