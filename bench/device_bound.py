@@ -100,10 +100,11 @@ HOST_SAMPLING_REQUESTS: dict[str, GenParams] = {
 #: Inference's contiguous float32, and transformers-neuronx's bf16 viewed transposed
 #: (variants suffixed "-neuron")
 HOST_SAMPLING_LAYOUTS = ("nxdi", "neuron")
-#: the host-sampling cells' requests, by variant: each request against each layout
 #: the floor of each layout (handler.synthetic.host_sampling_floor): the host reads the
 #: logits once and samples nothing, the least an exact host sampler can pay (issue 40)
 FLOOR = "floor"
+#: the host-sampling cells' requests, by variant: each request (and the floor, which
+#: samples nothing: greedy requests) against each layout
 HOST_SAMPLING_PARAMS: dict[str, GenParams] = {
     f"{v}{'' if layout == 'nxdi' else '-' + layout}": p
     for layout in HOST_SAMPLING_LAYOUTS
