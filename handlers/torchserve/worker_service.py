@@ -33,6 +33,7 @@ import asyncio
 import copy
 import functools
 import logging
+import socket
 import sys
 import threading
 import time
@@ -69,16 +70,21 @@ def install(on_socket: Callable[[Any], Any] | None = None) -> bool:
 def _receive(sock: Any, begun: Callable[[], None] | None = None) -> tuple[bytes, Any]:
     """One message from the frontend: TorchServe's decoder, without the INFO log line
     `retrieve_msg` writes per request (ts/protocol/otf_message_handler.py:26-42), which
-    the frontend then reads, parses and logs again. `begun()` once its first byte is in."""
+    the frontend then reads, parses and logs again. `begun()` once its first byte is in,
+    before any byte is taken off the socket: a worker killed between a read and the note
+    that it began (the reader waits for the GIL after every read, milliseconds under load)
+    would otherwise leave the socket inside a message while its board says it is not."""
     from ts.protocol import otf_message_handler as otf
 
     read_buffer = getattr(otf, "_retrieve_buffer", None)
     read_inference = getattr(otf, "_retrieve_inference_msg", None)
     if read_buffer is None or read_inference is None:  # a TorchServe without them
         return otf.retrieve_msg(sock)
-    cmd = read_buffer(sock, 1)
     if begun is not None:
+        if not sock.recv(1, socket.MSG_PEEK):  # waits for the message; takes nothing
+            raise ValueError("Frontend disconnected")
         begun()
+    cmd = read_buffer(sock, 1)
     if cmd != b"I":  # a load or unknown command is not expected after the load
         raise ValueError(f"unexpected command {cmd!r} from the frontend after the model loaded")
     return cmd, read_inference(sock)

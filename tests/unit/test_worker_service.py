@@ -186,3 +186,20 @@ def test_install_replaces_only_torchserves_own_async_service(monkeypatch):
     assert not worker_service.install() and main.AsyncService is other
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
     assert not worker_service.install()  # not a TorchServe worker at all
+
+
+def test_a_message_is_marked_begun_before_any_of_it_leaves_the_socket():
+    """The board's `reading` goes up before the first byte is taken (the guardian must never
+    see a socket inside a message while the board says it is at one), and the message then
+    reads whole."""
+    frontend, worker_end = socket.socketpair()
+    message = inference_message(("r1", b'{"text": "a"}'))
+    frontend.sendall(message)
+    left = []
+    _, batch = worker_service._receive(
+        worker_end, lambda: left.append(len(worker_end.recv(1 << 16, socket.MSG_PEEK))))
+    assert left == [len(message)]
+    assert [worker_service._request_id(item) for item in batch] == ["r1"]
+    frontend.close()
+    with pytest.raises(ValueError, match="disconnected"):  # nothing more: no message begun
+        worker_service._receive(worker_end, lambda: pytest.fail("begun without a message"))
