@@ -79,9 +79,19 @@ class Board:
     def written(self) -> int:
         return int(self.cells[Board.WRITTEN])
 
+    #: Board.READING: at a message's start; inside one (read field by field: where the
+    #: socket stands is unknown); or a whole message noted and then read in one go, which
+    #: the guardian can tell apart (guardian.Farewell.settle)
+    AT_START, INSIDE, NOTED = 0.0, 1.0, 2.0
+
     def reading(self) -> bool:
-        """The worker is inside a message from TorchServe (or died in one)."""
-        return self.cells[Board.READING] != 0.0
+        """The worker is inside a message from TorchServe (or died in one) and the socket's
+        place in it is unknown."""
+        return self.cells[Board.READING] == Board.INSIDE
+
+    def noted(self) -> bool:
+        """The worker noted a whole message and was reading it off the socket, or had."""
+        return self.cells[Board.READING] == Board.NOTED
 
     def writing(self) -> bool:
         """The worker is inside a write to TorchServe's socket (or died in one)."""

@@ -110,6 +110,7 @@ class Farewell:
         self._exact: tuple[bytes, ...] | None = None
         self._board: Any = None
         self._read: dict[str, None] = {}  # exact: requests read, not yet known answered
+        self._noted: tuple[bytes, int] = (b"", 0)  # the last message noted whole: head, length
         self._finals: deque[tuple[int, list[str]]] = deque()  # (write number, requests)
 
     def arm(self, sock: socket.socket, closing: bytes,
@@ -136,11 +137,40 @@ class Farewell:
         if sock is not None:
             sock.close()
 
-    def read(self, request_ids: Iterable[str]) -> None:
-        """Exact: the worker read these requests off the socket."""
+    def read(self, request_ids: Iterable[str], head: bytes = b"", length: int = 0) -> None:
+        """Exact: the worker read these requests off the socket; or, with the message's
+        `head` and `length`, is about to (`settle`)."""
         with self._lock:
             if self._sock is not None and self._exact is not None:
                 self._read.update(dict.fromkeys(request_ids))
+                self._noted = (head, length)
+
+    def settle(self) -> bool:
+        """The worker is gone: where it died after noting a whole message and before the
+        board showed it taken off the socket, take it off here if it is still there (its
+        requests are answered as read). True where the socket is at a message's start."""
+        if self._board is None or not self._board.noted():
+            return True
+        head, length = self._noted
+        sock = self._sock
+        if sock is None:
+            return False
+        if not head:  # noted on the board, not yet here: nothing was taken
+            return True
+        try:
+            there = sock.recv(len(head), socket.MSG_PEEK | socket.MSG_DONTWAIT) == head
+            if there:
+                left = length
+                while left:
+                    chunk = sock.recv(left)
+                    if not chunk:
+                        return False
+                    left -= len(chunk)
+        except BlockingIOError:  # nothing waiting: the message was taken
+            return True
+        except OSError:
+            return False
+        return True
 
     def final(self, request_ids: list[str], write: int) -> None:
         """Exact: the worker's write number `write` ends these requests' answers. Requests
@@ -326,8 +356,8 @@ class Guardian:
     def forget(self, request_id: str) -> None:
         self._send(("forget", request_id))
 
-    def read(self, request_ids: list[str]) -> None:
-        self._send(("read", request_ids))
+    def read(self, request_ids: list[str], head: bytes = b"", length: int = 0) -> None:
+        self._send(("read", request_ids, head, length))
 
     def final(self, request_ids: list[str], write: int) -> None:
         self._send(("final", request_ids, write))
@@ -364,12 +394,23 @@ class GuardedWrites(CountedWrites):
 
     def reading(self) -> None:
         """A message from the frontend has begun: until `read`, no other worker may read on."""
-        self._cells[Board.READING] = 1.0
+        self._cells[Board.READING] = Board.INSIDE
 
     def read(self, request_ids: list[str]) -> None:
         """The message's requests, noted; the socket is at a message's start again."""
         self._guardian.read(request_ids)
-        self._cells[Board.READING] = 0.0
+        self._cells[Board.READING] = Board.AT_START
+
+    def noting(self, request_ids: list[str], head: bytes, length: int) -> None:
+        """A whole message still on the socket (peeked): its requests, its first bytes and
+        its length noted before the worker takes it off (`taken`). If the worker dies in
+        between, the guardian sees from the socket whether it did (Farewell.settle)."""
+        self._cells[Board.READING] = Board.NOTED
+        self._guardian.read(request_ids, head, length)
+
+    def taken(self) -> None:
+        """The noted message is off the socket: at a message's start again."""
+        self._cells[Board.READING] = Board.AT_START
 
     def sendall_final(self, data: bytes, request_ids: list[str]) -> None:
         """`data` ends these requests' answers: noted with its write's number, then sent."""
@@ -510,6 +551,8 @@ def _no_takeover(farewell: Farewell, takeover: dict[str, Any] | None) -> str:
         return "handler.worker_takeover is false, or this is not a TorchServe worker"
     if farewell.reading():
         return "it died inside a message from the frontend"
+    if not farewell.settle():
+        return "it died taking a message off the socket, which went wrong"
     return ""
 
 
@@ -534,7 +577,7 @@ def main(argv: list[str]) -> None:
         elif kind == "sent":
             farewell.sent(note[1], note[2])
         elif kind == "read":
-            farewell.read(note[1])
+            farewell.read(*note[1:])
         elif kind == "final":
             farewell.final(note[1], note[2])
         elif kind == "forget":

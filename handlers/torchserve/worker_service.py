@@ -90,6 +90,66 @@ def _receive(sock: Any, begun: Callable[[], None] | None = None) -> tuple[bytes,
     return cmd, read_inference(sock)
 
 
+#: a message this long or shorter is peeked whole before the worker takes any of it
+PEEK_BYTES = 1 << 16
+#: how much of a message's start the guardian is given to recognise it by (its request id)
+HEAD_BYTES = 128
+
+
+class _Incomplete(Exception):
+    """The peeked bytes end before the message does."""
+
+
+class _Peeked:
+    """Bytes already peeked, read as TorchServe's decoder reads its socket."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = memoryview(data)
+        self.taken = 0
+
+    def recv(self, n: int) -> bytes:
+        if self.taken >= len(self._data):
+            raise _Incomplete
+        chunk = self._data[self.taken:self.taken + n]
+        self.taken += len(chunk)
+        return bytes(chunk)
+
+
+def _receive_noted(sock: Any, notes: Any) -> Any:
+    """One message, noted with the guardian before any of it leaves the socket: peeked,
+    decoded from the peeked bytes, noted with its first bytes and length (`noting`), then
+    taken off in one read (`taken`). A worker killed in between leaves the guardian a
+    socket it can read: the message is still there, or wholly gone (guardian.Farewell.
+    settle). A message longer than PEEK_BYTES, or still arriving, is read as before
+    (`_receive`: the board says `reading` throughout)."""
+    from ts.protocol import otf_message_handler as otf
+
+    read_inference = getattr(otf, "_retrieve_inference_msg", None)
+    data = sock.recv(PEEK_BYTES, socket.MSG_PEEK)  # waits for a message; takes nothing
+    if not data:
+        raise ValueError("Frontend disconnected")
+    peeked = _Peeked(data)
+    try:
+        cmd = peeked.recv(1)
+        if cmd != b"I" or read_inference is None:
+            raise _Incomplete
+        batch = read_inference(peeked)
+    except _Incomplete:
+        _, batch = _receive(sock, notes.reading)
+        notes.read([_request_id(item) for item in batch])
+        return batch
+    length = peeked.taken
+    notes.noting([_request_id(item) for item in batch], bytes(data[:HEAD_BYTES]), length)
+    left = length
+    while left:  # all of it is in the socket's buffer already
+        chunk = sock.recv(left)
+        if not chunk:
+            raise ValueError("Frontend disconnected")
+        left -= len(chunk)
+    notes.taken()
+    return batch
+
+
 def _request_id(item: dict) -> str:
     """A decoded request's id (ts/service.py retrieve_data_for_inference reads it so)."""
     rid = item.get("requestId", b"")
@@ -135,12 +195,12 @@ class WorkerService:
         """The reader thread: each request to the loop, as it arrives. `notes` (an exact
         guardian's socket, handlers/engine/guardian.GuardedWrites): each message's start
         and its requests noted, before anything of them can be answered."""
-        begun = notes.reading if notes is not None else None
         try:
             while True:
-                _, batch = _receive(sock, begun)
-                if notes is not None:
-                    notes.read([_request_id(item) for item in batch])
+                if notes is None:
+                    _, batch = _receive(sock)
+                else:
+                    batch = _receive_noted(sock, notes)
                 self.loop.call_soon_threadsafe(self._start, batch)
         except BaseException:  # the frontend went away (or sent garbage): the worker ends
             self.loop.call_soon_threadsafe(self._end, traceback.format_exc())

@@ -162,8 +162,8 @@ class Recording:
     def __init__(self) -> None:
         self.notes: list[tuple] = []
 
-    def read(self, request_ids: list[str]) -> None:
-        self.notes.append(("read", request_ids))
+    def read(self, request_ids: list[str], head: bytes = b"", length: int = 0) -> None:
+        self.notes.append(("read", request_ids, head, length) if head else ("read", request_ids))
 
     def final(self, request_ids: list[str], write: int) -> None:
         self.notes.append(("final", request_ids, write))
@@ -208,6 +208,48 @@ def test_the_socket_goes_back_to_torchserve_where_no_worker_may_take_it_over() -
     assert "worker_takeover" in guardian_module._no_takeover(farewell, None)  # turned off
     board.cells[Board.READING] = 1.0
     assert "inside a message" in guardian_module._no_takeover(farewell, takeover)
+
+
+def _noted(message: bytes) -> tuple[socket.socket, Farewell, Board, GuardedWrites]:
+    """A worker's socket with `message` waiting and, noted as a GuardedWrites notes a whole
+    message before taking it off, on an exact farewell (a Recording guardian in between)."""
+    frontend, worker_end = socket.socketpair()
+    board = Board()
+    farewell = Farewell()
+    farewell.arm(worker_end, CLOSING, board.writing, (b"",), board)
+    recording = Recording()
+    writes = GuardedWrites(worker_end, board, recording)
+    frontend.sendall(message)
+    return frontend, farewell, board, writes
+
+
+def test_a_message_noted_whole_is_taken_off_by_the_guardian_if_the_worker_did_not() -> None:
+    """Died after noting a message and before reading it: the guardian reads it off (its
+    requests are answered as read) and the socket is at the next message's start, so a
+    worker may take over; died after reading it: nothing more is read."""
+    message = b"I" + bytes(range(200)) + b"end"
+    after = b"Inext message"
+    for taken in (False, True):
+        frontend, farewell, board, writes = _noted(message)
+        frontend.sendall(after)
+        writes.noting(["r1"], message[:128], len(message))
+        farewell.read(["r1"], message[:128], len(message))  # the guardian's copy of the note
+        if taken:
+            writes.recv(len(message))  # the worker read it, and died before `taken`
+        assert board.noted() and not farewell.reading()
+        assert guardian_module._no_takeover(farewell, {"serving_since": 0}) == ""
+        rest = farewell.hand_off().recv(100, socket.MSG_DONTWAIT)
+        assert rest == after
+
+
+def test_a_message_noted_on_the_board_only_is_left_where_it_is() -> None:
+    """Died between marking the board and the note reaching the guardian: nothing was read,
+    so the message stays for the worker that takes over."""
+    message = b"I" + bytes(range(50))
+    frontend, farewell, board, writes = _noted(message)
+    board.cells[Board.READING] = Board.NOTED
+    assert farewell.settle()
+    assert farewell.hand_off().recv(100, socket.MSG_DONTWAIT) == message
 
 
 def test_the_frontends_close_is_told_apart_from_data_waiting() -> None:

@@ -203,3 +203,57 @@ def test_a_message_is_marked_begun_before_any_of_it_leaves_the_socket():
     frontend.close()
     with pytest.raises(ValueError, match="disconnected"):  # nothing more: no message begun
         worker_service._receive(worker_end, lambda: pytest.fail("begun without a message"))
+
+
+class Notes:
+    """A GuardedWrites' notes, recorded with what the socket held at each."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.calls: list[tuple] = []
+
+    def _held(self) -> int:
+        try:
+            return len(self.sock.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return 0
+
+    def noting(self, request_ids, head, length) -> None:
+        self.calls.append(("noting", request_ids, head, length, self._held()))
+
+    def taken(self) -> None:
+        self.calls.append(("taken", self._held()))
+
+    def reading(self) -> None:
+        self.calls.append(("reading", self._held()))
+
+    def read(self, request_ids) -> None:
+        self.calls.append(("read", request_ids, self._held()))
+
+
+def test_a_whole_message_is_noted_with_its_head_before_any_of_it_is_taken():
+    """The guardian learns each message's requests, first bytes and length while all of it
+    is still on the socket; it then leaves in one read (the next message stays)."""
+    frontend, worker_end = socket.socketpair()
+    first = inference_message(("r1", b'{"text": "a"}'), ("r2", b'{"text": "b"}'))
+    second = inference_message(("r3", b'{"text": "c"}'))
+    frontend.sendall(first + second)
+    notes = Notes(worker_end)
+    batch = worker_service._receive_noted(worker_end, notes)
+    assert [worker_service._request_id(item) for item in batch] == ["r1", "r2"]
+    assert notes.calls == [
+        ("noting", ["r1", "r2"], first[:worker_service.HEAD_BYTES], len(first),
+         len(first) + len(second)),
+        ("taken", len(second))]
+
+
+def test_a_message_longer_than_a_peek_is_read_as_it_comes(monkeypatch):
+    """Past PEEK_BYTES the message is read field by field, the board `reading` throughout."""
+    monkeypatch.setattr(worker_service, "PEEK_BYTES", 16)
+    frontend, worker_end = socket.socketpair()
+    message = inference_message(("r1", b'{"text": "a"}'))
+    frontend.sendall(message)
+    notes = Notes(worker_end)
+    batch = worker_service._receive_noted(worker_end, notes)
+    assert [worker_service._request_id(item) for item in batch] == ["r1"]
+    assert notes.calls == [("reading", len(message)), ("read", ["r1"], 0)]
