@@ -162,7 +162,7 @@ class Farewell:
             if there:
                 left = length
                 while left:
-                    chunk = sock.recv(left)
+                    chunk = sock.recv(left, socket.MSG_WAITALL)
                     if not chunk:
                         return False
                     left -= len(chunk)

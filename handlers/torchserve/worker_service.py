@@ -141,8 +141,8 @@ def _receive_noted(sock: Any, notes: Any) -> Any:
     length = peeked.taken
     notes.noting([_request_id(item) for item in batch], bytes(data[:HEAD_BYTES]), length)
     left = length
-    while left:  # all of it is in the socket's buffer already
-        chunk = sock.recv(left)
+    while left:  # all of it is in the socket's buffer already: one read takes it whole
+        chunk = sock.recv(left, socket.MSG_WAITALL)
         if not chunk:
             raise ValueError("Frontend disconnected")
         left -= len(chunk)
