@@ -158,19 +158,13 @@ class Farewell:
         if not head:  # noted on the board, not yet here: nothing was taken
             return True
         try:
-            there = sock.recv(len(head), socket.MSG_PEEK | socket.MSG_DONTWAIT) == head
-            if there:
-                left = length
-                while left:
-                    chunk = sock.recv(left, socket.MSG_WAITALL)
-                    if not chunk:
-                        return False
-                    left -= len(chunk)
+            if sock.recv(len(head), socket.MSG_PEEK | socket.MSG_DONTWAIT) != head:
+                return True  # something else is waiting: the message was taken
+            return len(sock.recv(length, socket.MSG_WAITALL)) == length
         except BlockingIOError:  # nothing waiting: the message was taken
             return True
         except OSError:
             return False
-        return True
 
     def final(self, request_ids: list[str], write: int) -> None:
         """Exact: the worker's write number `write` ends these requests' answers. Requests

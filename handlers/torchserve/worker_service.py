@@ -139,13 +139,10 @@ def _receive_noted(sock: Any, notes: Any) -> Any:
         notes.read([_request_id(item) for item in batch])
         return batch
     length = peeked.taken
-    notes.noting([_request_id(item) for item in batch], bytes(data[:HEAD_BYTES]), length)
-    left = length
-    while left:  # all of it is in the socket's buffer already: one read takes it whole
-        chunk = sock.recv(left, socket.MSG_WAITALL)
-        if not chunk:
-            raise ValueError("Frontend disconnected")
-        left -= len(chunk)
+    notes.noting([_request_id(item) for item in batch], data[:HEAD_BYTES], length)
+    # all of it is in the socket's buffer already: one read takes it whole
+    if len(sock.recv(length, socket.MSG_WAITALL)) != length:
+        raise ValueError("Frontend disconnected")
     notes.taken()
     return batch
 
